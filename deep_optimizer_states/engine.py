@@ -1,0 +1,187 @@
+"""Executes one optimizer update over all subgroups, interleaving the CPU, the PCIe link and the GPU.
+
+The pipeline, per subgroup in order (every arrow between lanes is an event):
+
+  CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
+               [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
+               [params_up]  fp32 master -> GPU scratch -> cast into the model's param
+  staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot
+               [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
+               [stage_out]  slot -> host master/exp_avg/exp_avg_sq, then the slot is free again
+
+The main thread enqueues all device work at once; the CPU worker takes CPU subgroups in order, so while
+it updates subgroup i the link moves the next staged subgroup in and the previous one out. On a machine
+without a GPU every lane runs in program order and the worker runs inline: the same code, synchronous.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .adam import AdamHyper, adam_update
+from .lanes import Lane, current_point
+from .layout import Subgroup
+from .schedule import Placement
+
+FP32 = torch.float32
+
+
+@dataclass
+class Job:
+    """One subgroup's share of an update."""
+
+    subgroup: Subgroup
+    placement: Placement
+    hyper: AdamHyper
+    steps_done: int
+
+
+@dataclass
+class UpdateStats:
+    """What one update did: wall time and the bytes it moved each way over PCIe."""
+
+    seconds: float
+    cpu_subgroups: int
+    staged_subgroups: int
+    h2d_bytes: int
+    d2h_bytes: int
+
+
+class _Slot:
+    """GPU memory for one staged subgroup: fp32 param, grad, exp_avg, exp_avg_sq."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.p, self.g, self.m, self.v = torch.empty(4, numel, dtype=FP32, device=device).unbind(0)
+        self.free = None  # event: the slot's last flush has completed
+
+
+def _to_fp32(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None,
+             multipliers: Sequence[torch.Tensor]) -> None:
+    """dst = fp32(src) * m1 * m2 ..., computed on src's device (the GPU up-casts, not the host)."""
+    if src.dtype == FP32 and not multipliers:
+        dst.copy_(src, non_blocking=True)
+        return
+    work = dst if dst.device == src.device else scratch[: src.numel()]
+    work.copy_(src)
+    for m in multipliers:
+        work.mul_(m)
+    if work is not dst:
+        dst.copy_(work, non_blocking=True)
+
+
+def _from_fp32(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None) -> None:
+    """dst (the model's param) = src (fp32 master) rounded to dst's dtype, cast on dst's device."""
+    if dst.dtype == FP32 or dst.device == src.device:
+        dst.copy_(src, non_blocking=True)
+        return
+    work = scratch[: src.numel()]
+    work.copy_(src, non_blocking=True)
+    dst.copy_(work)
+
+
+class Engine:
+    """Runs updates for one device; holds its lanes and its CPU worker, nothing between steps."""
+
+    def __init__(self, device: torch.device, staging_slots: int = 2) -> None:
+        self.device = device
+        self.staging_slots = staging_slots
+        self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out = (Lane(device) for _ in range(5))
+        self.lanes = (self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out)
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam")
+                        if device.type == "cuda" else None)
+        self._warned_fallback = False
+
+    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = ()) -> UpdateStats:
+        """Apply one optimizer step to every job; returns once params and host states are all updated."""
+        start = time.perf_counter()
+        ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
+        for lane in self.lanes:
+            lane.wait(ready)
+        jobs, slots, down, up = self._buffers(jobs)
+        pending: list[Future] = []
+        staged = 0
+        for job in jobs:
+            if job.placement is Placement.STAGED:
+                self._update_staged(job, slots[staged % len(slots)], multipliers)
+                staged += 1
+            else:
+                landed = self._grad_down(job.subgroup, down, multipliers)
+                pending.append(self._on_cpu(self._update_on_cpu, job, landed, up))
+        for f in pending:
+            f.result()
+        for lane in self.lanes:
+            lane.synchronize()
+        return self._stats(jobs, time.perf_counter() - start)
+
+    def _buffers(self, jobs: list[Job]):
+        """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""
+        staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED]
+        slots = []
+        if staged:
+            try:
+                slots = [_Slot(max(staged), self.device) for _ in range(min(self.staging_slots, len(staged)))]
+            except torch.cuda.OutOfMemoryError:
+                if not self._warned_fallback:
+                    warnings.warn("not enough GPU memory for the staging slots: updating every subgroup on the CPU")
+                    self._warned_fallback = True
+                jobs = [Job(j.subgroup, Placement.CPU, j.hyper, j.steps_done) for j in jobs]
+        on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
+        need = self.device.type == "cuda" and on_cpu
+        down = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
+        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
+        return jobs, slots, down, up
+
+    def _on_cpu(self, fn: Callable, *args) -> Future:
+        if self._worker is not None:
+            return self._worker.submit(fn, *args)
+        done: Future = Future()
+        done.set_result(fn(*args))
+        return done
+
+    def _grad_down(self, sg: Subgroup, scratch, multipliers):
+        with self.grads_down.run():
+            _to_fp32(sg.grad32, sg.grad, scratch, multipliers)
+            return self.grads_down.record()
+
+    def _update_on_cpu(self, job: Job, landed, scratch) -> None:
+        sg = job.subgroup
+        landed.synchronize()
+        adam_update(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq, job.steps_done, job.hyper)
+        with self.params_up.run():
+            _from_fp32(sg.param, sg.master, scratch)
+
+    def _update_staged(self, job: Job, slot: _Slot, multipliers) -> None:
+        sg = job.subgroup
+        n = sg.numel
+        p, g, m, v = slot.p[:n], slot.g[:n], slot.m[:n], slot.v[:n]
+        with self.stage_in.run():
+            self.stage_in.wait(slot.free)
+            for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
+                dst.copy_(src, non_blocking=True)
+            arrived = self.stage_in.record()
+        with self.gpu.run():
+            self.gpu.wait(arrived)
+            _to_fp32(g, sg.grad, None, multipliers)
+            adam_update(p, g, m, v, job.steps_done, job.hyper)
+            _from_fp32(sg.param, p, None)
+            computed = self.gpu.record()
+        with self.stage_out.run():
+            self.stage_out.wait(computed)
+            for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):
+                dst.copy_(src, non_blocking=True)
+            slot.free = self.stage_out.record()
+
+    @staticmethod
+    def _stats(jobs: list[Job], seconds: float) -> UpdateStats:
+        cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
+        staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
+        staged_bytes = sum(12 * sg.numel for sg in staged)
+        grad_bytes = sum(4 * sg.numel for sg in cpu)
+        up_bytes = sum(4 * sg.numel for sg in cpu)
+        return UpdateStats(seconds, len(cpu), len(staged), staged_bytes + up_bytes, staged_bytes + grad_bytes)

@@ -1,0 +1,168 @@
+"""Our optimizer against torch.optim.AdamW on fp32 masters, step by step, for every schedule (CPU lanes)."""
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from tests.harness import SCHEDULES, loss_of, mlp, tiny_llama, train_and_compare
+
+MODELS = {"mlp": mlp, "llama": tiny_llama}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=str)
+@pytest.mark.parametrize("kind", MODELS)
+def test_matches_adamw_every_schedule(kind, schedule, dtype):
+    model = MODELS[kind](dtype)
+    size = sum(p.numel() for p in model.parameters()) // 10
+    opt = DeepOptimizerStates(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
+                              schedule=schedule)
+    assert len(opt.layout.subgroups) >= 10
+    if schedule not in ("cpu", "gpu", 1):
+        assert {Placement.CPU, Placement.STAGED} == set(opt.placements)
+    train_and_compare(model, opt, steps=30)
+    expected = {"cpu": 0, "gpu": 1.0, 1: 1.0}.get(schedule)
+    if expected is not None:
+        assert opt.last_update.staged_subgroups == expected * len(opt.layout.subgroups)
+
+
+def test_classic_adam_matches_torch_adam():
+    model = mlp()
+    opt = DeepOptimizerStates(model.parameters(), lr=1e-2, weight_decay=0.05, adamw=False, subgroup_size=2500,
+                              schedule=2)
+    train_and_compare(model, opt, steps=30, ref_cls=torch.optim.Adam)
+
+
+def test_param_groups_with_own_lr_and_weight_decay_and_a_scheduler():
+    model = tiny_llama()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    opt = DeepOptimizerStates([{"params": decay, "weight_decay": 0.1},
+                               {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}],
+                              lr=2e-3, subgroup_size=4000, schedule=3)
+    groups = {sg.group_index for sg in opt.layout.subgroups}
+    assert groups == {0, 1}
+    for sg in opt.layout.subgroups:  # a subgroup never mixes param groups
+        assert all(any(p is q for q in opt.param_groups[sg.group_index]["params"]) for p in sg.bucket.params)
+
+    def sched(o):
+        return torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s))
+
+    train_and_compare(model, opt, steps=30, scheduler=sched)
+    assert opt.param_groups[1]["lr"] == pytest.approx(5e-3 / 31)
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 2, "gpu"], ids=str)
+def test_global_norm_clipping_equals_torch(schedule):
+    model = tiny_llama(torch.bfloat16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=5000, schedule=schedule)
+    train_and_compare(model, opt, steps=30, max_norm=0.05)  # small: every step is clipped
+
+
+def test_max_grad_norm_argument_clips_and_reports_the_norm():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2, max_grad_norm=0.01)
+    from tests.harness import Reference
+    ref = Reference(opt)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(10):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        ref_norm = ref.step(max_norm=0.01)
+        opt.step()
+        torch.testing.assert_close(opt.last_grad_norm, ref_norm, rtol=1e-6, atol=0)
+        ref.assert_matches()
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
+def test_gradient_accumulation_over_four_micro_batches(schedule):
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=5000, schedule=schedule)
+    train_and_compare(model, opt, steps=30, micro_batches=4)
+
+
+def test_tied_embeddings_are_updated_once():
+    model = tiny_llama(tie=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    params = list(model.parameters())
+    opt = DeepOptimizerStates(params + [model.lm_head.weight], lr=1e-3, subgroup_size=5000, schedule=2)
+    assert sum(len(b.params) for b in opt.layout.buckets) == len(params)
+    train_and_compare(model, opt, steps=30)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_model_zero_grad_to_none_is_recovered():
+    """Frameworks call model.zero_grad() (grads to None): fresh grads must land in our buffers."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    from tests.harness import Reference
+    ref = Reference(opt)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(10):
+        model.zero_grad(set_to_none=True)
+        assert all(p.grad is None for p in model.parameters())
+        loss_of(model, gen).backward()
+        ref.step()
+        opt.step()
+        ref.assert_matches()
+
+
+def test_frozen_params_are_left_alone():
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000)
+    assert all(p is not model[0].weight for b in opt.layout.buckets for p in b.params)
+    train_and_compare(model, opt, steps=5)
+    assert torch.equal(model[0].weight, before)
+
+
+def test_fp16_dynamic_loss_scaling_skips_overflow_steps():
+    model = mlp(torch.float16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule=2)
+    assert opt.scaler is not None and opt.scaler.scale == 2.0**16
+    from tests.harness import Reference
+    ref = Reference(opt)
+    gen = torch.Generator().manual_seed(7)
+    for step in range(12):
+        opt.zero_grad()
+        scale = opt.scaler.scale
+        opt.scale_loss(loss_of(model, gen)).backward()
+        if step in (3, 8):  # an overflow: nothing may change
+            next(model.parameters()).grad.view(-1)[5] = float("inf" if step == 3 else "nan")
+            masters = [s["master"].clone() for s in opt.state.values()]
+            params = [p.detach().clone() for p in model.parameters()]
+            steps_before = opt._steps[0]
+            opt.step()
+            assert opt.scaler.scale == scale / 2
+            assert opt._steps[0] == steps_before
+            assert all(torch.equal(a, s["master"]) for a, s in zip(masters, opt.state.values()))
+            assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+            continue
+        ref.step(unscale=1.0 / scale)
+        opt.step()
+        ref.assert_matches()
+    assert opt.scaler.skipped_steps == 2
+    assert opt._steps[0] == 10
+
+
+def test_fp16_without_scaled_loss_is_an_error():
+    model = mlp(torch.float16)
+    opt = DeepOptimizerStates(model, lr=1e-3)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        opt.step()
+
+
+def test_module_and_iterable_forms_are_the_same_optimizer():
+    a, b = mlp(), mlp()
+    oa = DeepOptimizerStates(a, lr=1e-2, subgroup_size=2000)
+    ob = DeepOptimizerStates(b.parameters(), lr=1e-2, subgroup_size=2000)
+    assert oa.module is a and ob.module is None
+    gen_a, gen_b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    for _ in range(5):
+        for m, o, g in ((a, oa, gen_a), (b, ob, gen_b)):
+            o.zero_grad()
+            loss_of(m, g).backward()
+            o.step()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
