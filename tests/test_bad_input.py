@@ -1,0 +1,126 @@
+"""Bad input gets a clear error that says what to change, before anything is allocated or modified."""
+
+import pytest
+import torch
+from torch import nn
+
+from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states.schedule import Placement, placements
+from tests.harness import loss_of, mlp
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"subgroup_size": 0}, "subgroup_size must be an int > 0"),
+    ({"subgroup_size": -5}, "subgroup_size must be an int > 0"),
+    ({"subgroup_size": 1.5}, "subgroup_size must be an int > 0"),
+    ({"schedule": 0}, "k must be >= 1"),
+    ({"schedule": -2}, "k must be >= 1"),
+    ({"schedule": "fast"}, "schedule must be"),
+    ({"schedule": 2.0}, "schedule must be"),
+    ({"lr": -1e-3}, "lr must be a finite float >= 0"),
+    ({"lr": float("nan")}, "lr must be a finite float >= 0"),
+    ({"eps": -1e-8}, "eps must be"),
+    ({"weight_decay": -0.1}, "weight_decay must be"),
+    ({"betas": (1.0, 0.999)}, r"betas must be two floats in \[0, 1\)"),
+    ({"betas": (0.9, -0.1)}, r"betas must be two floats in \[0, 1\)"),
+    ({"betas": (0.9,)}, r"betas must be two floats in \[0, 1\)"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm must be"),
+    ({"staging_slots": 0}, "staging_slots must be"),
+    ({"loss_scale": "sometimes"}, "loss_scale must be"),
+    ({"device": "meta"}, "device='meta' but the params are on cpu"),
+])
+def test_bad_config_values(kwargs, match):
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=match):
+        DeepOptimizerStates(model, **kwargs)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_params_on_mixed_devices():
+    a = nn.Parameter(torch.zeros(4))
+    b = nn.Parameter(torch.zeros(4, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        DeepOptimizerStates([a, b])
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int8, torch.float64, torch.complex64])
+def test_unsupported_param_dtypes(dtype):
+    bad = torch.zeros(4, dtype=dtype, requires_grad=dtype.is_floating_point or dtype.is_complex)
+    with pytest.raises(TypeError, match="supports float32, bfloat16 and float16"):
+        DeepOptimizerStates([nn.Parameter(torch.zeros(4)), bad])
+
+
+def test_unsupported_dtype_is_named_with_the_module_form():
+    model = mlp()
+    model[0].bias = nn.Parameter(torch.zeros(96, dtype=torch.float64))
+    with pytest.raises(TypeError, match="param 0.bias has dtype torch.float64"):
+        DeepOptimizerStates(model)
+
+
+def test_empty_or_all_frozen():
+    with pytest.raises(ValueError):
+        DeepOptimizerStates([])
+    with pytest.raises(ValueError, match="no trainable params"):
+        DeepOptimizerStates([nn.Parameter(torch.zeros(3), requires_grad=False)])
+
+
+def test_not_enough_host_memory_says_how_much(monkeypatch):
+    monkeypatch.setenv("DOS_HOST_MEMORY_GB", "0.0001")
+    model = mlp()
+    with pytest.raises(MemoryError, match=r"0\.00 GB needed, 0\.00 GB available|GB needed, .* GB available"):
+        DeepOptimizerStates(nn.Linear(4000, 4000))
+    with pytest.raises(ValueError, match="DOS_HOST_MEMORY_GB"):
+        monkeypatch.setenv("DOS_HOST_MEMORY_GB", "lots")
+        DeepOptimizerStates(model)
+
+
+def test_host_memory_check_uses_the_real_need(monkeypatch):
+    layer = nn.Linear(1000, 1000)  # 1,001,000 params -> 16 bytes each on the host, about 16 MB
+    monkeypatch.setenv("DOS_HOST_MEMORY_GB", "0.015")
+    with pytest.raises(MemoryError, match="0.02 GB needed, 0.01 GB available"):
+        DeepOptimizerStates(layer)
+    monkeypatch.setenv("DOS_HOST_MEMORY_GB", "0.02")
+    DeepOptimizerStates(layer)
+
+
+def test_bad_hyper_parameter_set_between_steps_is_refused_before_any_update():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.param_groups[0]["lr"] = -0.5
+    masters = [s["master"].clone() for s in opt.state.values()]
+    with pytest.raises(ValueError, match="lr must be"):
+        opt.step()
+    assert all(torch.equal(a, s["master"]) for a, s in zip(masters, opt.state.values()))
+    opt.param_groups[0]["lr"] = 1e-3
+    opt.step()
+
+
+def test_add_param_group_after_construction():
+    opt = DeepOptimizerStates(mlp())
+    with pytest.raises(RuntimeError, match="add_param_group after construction"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+
+
+def test_params_in_two_groups():
+    p = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        DeepOptimizerStates([{"params": [p]}, {"params": [p]}])
+
+
+def test_clip_grad_norm_rejects_bad_max_norm():
+    opt = DeepOptimizerStates(mlp())
+    for bad in (0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="max_norm must be"):
+            opt.clip_grad_norm_(bad)
+
+
+def test_placements_for_each_schedule():
+    S, C = Placement.STAGED, Placement.CPU
+    assert placements("cpu", 4) == [C] * 4
+    assert placements("gpu", 4) == [S] * 4
+    assert placements(1, 3) == [S] * 3
+    assert placements(3, 7) == [S, C, C, S, C, C, S]
+    auto = placements("auto", 16)
+    assert auto.count(S) == 10 and auto[0] is S

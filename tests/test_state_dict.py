@@ -1,0 +1,114 @@
+"""Checkpoints: save mid-run and continue bit-identically; torch AdamW checkpoints load; bad ones are refused."""
+
+import io
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates
+from tests.harness import loss_of, mlp, tiny_llama
+
+
+def _train(model, opt, gen, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        opt.step()
+
+
+def _snapshot(opt):
+    return [(k, v.clone()) for s in opt.state.values() for k, v in s.items()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("schedule", ["cpu", 3, "gpu"], ids=str)
+def test_save_and_load_mid_run_continues_bit_identically(schedule, dtype):
+    def make():
+        model = tiny_llama(dtype)
+        sched = {"lr": 1e-3, "subgroup_size": 6000, "schedule": schedule, "max_grad_norm": 1.0}
+        return model, DeepOptimizerStates(model, **sched)
+
+    model_a, opt_a = make()
+    gen = torch.Generator().manual_seed(11)
+    _train(model_a, opt_a, gen, 10)
+    buf = io.BytesIO()
+    torch.save({"model": model_a.state_dict(), "opt": opt_a.state_dict(), "rng": gen.get_state()}, buf)
+    _train(model_a, opt_a, gen, 10)
+
+    model_b, opt_b = make()  # a fresh process would start here
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    model_b.load_state_dict(ckpt["model"])
+    opt_b.load_state_dict(ckpt["opt"])
+    gen_b = torch.Generator()
+    gen_b.set_state(ckpt["rng"])
+    _train(model_b, opt_b, gen_b, 10)
+
+    for pa, pb in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(pa, pb)
+    for (ka, va), (kb, vb) in zip(_snapshot(opt_a), _snapshot(opt_b)):
+        assert ka == kb and torch.equal(va, vb), ka
+
+
+def test_state_dict_has_torch_layout_with_masters():
+    model = mlp(torch.bfloat16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000)
+    _train(model, opt, torch.Generator().manual_seed(0), 3)
+    sd = opt.state_dict()
+    params = list(model.parameters())
+    assert sd["param_groups"][0]["params"] == list(range(len(params)))
+    for i, p in enumerate(params):
+        entry = sd["state"][i]
+        assert float(entry["step"]) == 3
+        assert entry["exp_avg"].shape == p.shape and entry["exp_avg"].dtype == torch.float32
+        assert entry["master_param"].dtype == torch.float32
+        assert torch.equal(entry["master_param"].to(torch.bfloat16), p.detach())
+
+
+def test_a_torch_adamw_checkpoint_loads_and_continues_identically():
+    ref_model, model = mlp(), mlp()
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    gen = torch.Generator().manual_seed(4)
+    _train(ref_model, ref, gen, 5)
+    model.load_state_dict(ref_model.state_dict())
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    opt.load_state_dict(ref.state_dict())
+    state = gen.get_state()
+    _train(ref_model, ref, gen, 5)
+    gen.set_state(state)
+    _train(model, opt, gen, 5)
+    for a, b in zip(ref_model.parameters(), model.parameters()):
+        assert ((a - b).norm() / a.norm()).item() < 1e-6
+
+
+def _bad(sd, how):
+    sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": [dict(g) for g in sd["param_groups"]]}
+    how(sd)
+    return sd
+
+
+BAD_DICTS = {
+    "other model shape": lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3, 3)),
+    "fewer params": lambda sd: sd["param_groups"][0].update(params=sd["param_groups"][0]["params"][:-1]),
+    "more groups": lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])),
+    "negative lr": lambda sd: sd["param_groups"][0].update(lr=-1.0),
+    "not a state_dict": lambda sd: sd.pop("state"),
+    "uneven steps": lambda sd: sd["state"][1].update(step=torch.tensor(99.0)),
+}
+
+
+@pytest.mark.parametrize("case", BAD_DICTS)
+def test_bad_state_dict_is_refused_and_nothing_changes(case):
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000)
+    _train(model, opt, torch.Generator().manual_seed(0), 2)
+    other = mlp(seed=5)
+    other_opt = DeepOptimizerStates(other, lr=1e-3, subgroup_size=2000)
+    _train(other, other_opt, torch.Generator().manual_seed(1), 3)
+    bad = _bad(other_opt.state_dict(), BAD_DICTS[case])
+    before, params, groups = _snapshot(opt), [p.clone() for p in model.parameters()], repr(opt.param_groups)
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    assert all(torch.equal(a[1], b[1]) for a, b in zip(before, _snapshot(opt)))
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    assert repr(opt.param_groups) == groups
