@@ -44,9 +44,10 @@ class Job:
 
 @dataclass
 class UpdateStats:
-    """What one update did: wall time and the bytes it moved each way over PCIe."""
+    """What one update did: wall time, CPU AdamW time, and the bytes it moved each way over PCIe."""
 
     seconds: float
+    cpu_adam_seconds: float
     cpu_subgroups: int
     staged_subgroups: int
     h2d_bytes: int
@@ -100,6 +101,7 @@ class Engine:
     def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = ()) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and host states are all updated."""
         start = time.perf_counter()
+        self._cpu_adam_seconds = 0.0
         ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
         for lane in self.lanes:
             lane.wait(ready)
@@ -117,7 +119,7 @@ class Engine:
             f.result()
         for lane in self.lanes:
             lane.synchronize()
-        return self._stats(jobs, time.perf_counter() - start)
+        return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds)
 
     def _buffers(self, jobs: list[Job]):
         """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""
@@ -152,7 +154,9 @@ class Engine:
     def _update_on_cpu(self, job: Job, landed, scratch) -> None:
         sg = job.subgroup
         landed.synchronize()
+        t0 = time.perf_counter()
         adam_update(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq, job.steps_done, job.hyper)
+        self._cpu_adam_seconds += time.perf_counter() - t0
         with self.params_up.run():
             _from_fp32(sg.param, sg.master, scratch)
 
@@ -178,10 +182,11 @@ class Engine:
             slot.free = self.stage_out.record()
 
     @staticmethod
-    def _stats(jobs: list[Job], seconds: float) -> UpdateStats:
+    def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float) -> UpdateStats:
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
         staged_bytes = sum(12 * sg.numel for sg in staged)
         grad_bytes = sum(4 * sg.numel for sg in cpu)
         up_bytes = sum(4 * sg.numel for sg in cpu)
-        return UpdateStats(seconds, len(cpu), len(staged), staged_bytes + up_bytes, staged_bytes + grad_bytes)
+        return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=staged_bytes + up_bytes,
+                           d2h_bytes=staged_bytes + grad_bytes)

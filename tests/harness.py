@@ -1,4 +1,4 @@
-"""Shared test machinery: small models, random batches, and the torch AdamW reference fed our gradients."""
+"""Shared test machinery: small models, random batches, and lockstep training against the reference."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states.reference import ReferenceAdamW
 
 SCHEDULES = ["cpu", "gpu", 1, 2, 3, 7, "auto"]
 
@@ -37,48 +38,11 @@ def loss_of(model: nn.Module, gen: torch.Generator) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-class Reference:
-    """torch.optim.AdamW (fused) on fp32 master copies, with the same param groups, fed our gradients."""
-
-    def __init__(self, opt: DeepOptimizerStates, cls=torch.optim.AdamW, scheduler=None) -> None:
-        self.ours = opt
-        self.masters = {}
-        groups = []
-        for g in opt.param_groups:
-            ms = []
-            for p in g["params"]:
-                m = opt.state[p]["master"].detach().clone().to(p.device).requires_grad_(True)
-                self.masters[p] = m
-                ms.append(m)
-            groups.append({**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "params": ms})
-        self.opt = cls(groups, fused=True)
-        self.scheduler = scheduler(self.opt) if scheduler else None
-
-    def step(self, max_norm: float | None = None, unscale: float = 1.0) -> torch.Tensor | None:
-        """Take our current gradients (as fp32, unscaled), optionally clip, and step. Returns the norm."""
-        for p, m in self.masters.items():
-            m.grad = p.grad.detach().to(torch.float32, copy=True).to(m.device) * unscale
-        norm = torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_norm) if max_norm else None
-        self.opt.step()
-        if self.scheduler:
-            self.scheduler.step()
-        return norm
-
-    def assert_matches(self, rtol: float = 1e-6) -> None:
-        """Our fp32 masters equal the reference within ``rtol`` (relative L2), params are masters rounded."""
-        for p, ref in self.masters.items():
-            master = self.ours.state[p]["master"]
-            ref_host = ref.detach().to(master.device)
-            err = ((master - ref_host).norm() / ref_host.norm().clamp_min(1e-30)).item()
-            assert err < rtol, f"param {tuple(p.shape)}: relative error {err:.3e} >= {rtol}"
-            assert torch.equal(p.detach().cpu(), master.to(p.dtype).cpu()), "param is not its master rounded"
-
-
 def train_and_compare(model: nn.Module, opt: DeepOptimizerStates, steps: int = 30, seed: int = 1,
                       micro_batches: int = 1, max_norm: float | None = None, scheduler=None,
-                      ref_cls=torch.optim.AdamW, rtol: float = 1e-6) -> Reference:
+                      ref_cls=None, rtol: float = 1e-6) -> ReferenceAdamW:
     """Train ``steps`` steps with ours and the reference in lockstep, checking after every step."""
-    ref = Reference(opt, ref_cls, scheduler)
+    ref = ReferenceAdamW(opt, ref_cls, scheduler)
     ours_sched = scheduler(opt) if scheduler else None
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.reference import ReferenceAdamW
 from tests.harness import SCHEDULES, loss_of, mlp, tiny_llama, train_and_compare
 
 MODELS = {"mlp": mlp, "llama": tiny_llama}
@@ -62,8 +63,7 @@ def test_global_norm_clipping_equals_torch(schedule):
 def test_max_grad_norm_argument_clips_and_reports_the_norm():
     model = mlp()
     opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2, max_grad_norm=0.01)
-    from tests.harness import Reference
-    ref = Reference(opt)
+    ref = ReferenceAdamW(opt)
     gen = torch.Generator().manual_seed(3)
     for _ in range(10):
         opt.zero_grad()
@@ -95,8 +95,7 @@ def test_model_zero_grad_to_none_is_recovered():
     """Frameworks call model.zero_grad() (grads to None): fresh grads must land in our buffers."""
     model = mlp()
     opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
-    from tests.harness import Reference
-    ref = Reference(opt)
+    ref = ReferenceAdamW(opt)
     gen = torch.Generator().manual_seed(5)
     for _ in range(10):
         model.zero_grad(set_to_none=True)
@@ -121,8 +120,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_steps():
     model = mlp(torch.float16)
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule=2)
     assert opt.scaler is not None and opt.scaler.scale == 2.0**16
-    from tests.harness import Reference
-    ref = Reference(opt)
+    ref = ReferenceAdamW(opt)
     gen = torch.Generator().manual_seed(7)
     for step in range(12):
         opt.zero_grad()

@@ -1,0 +1,117 @@
+"""The update-phase benchmark: gradients ready -> ``opt.step()`` -> every param updated, per schedule.
+
+Each measured step runs on fresh random gradients, and one step per schedule is checked against torch's
+fused AdamW run on the GPU over copies of a CPU-placed and a staged subgroup: fast and wrong is no result.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from .adam import AdamHyper, adam_update
+from .layout import HOST_BYTES_PER_ELEMENT
+from .models import llama
+from .optimizer import DeepOptimizerStates
+from .schedule import Placement, Schedule
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fresh_grads(opt: DeepOptimizerStates) -> None:
+    for b in opt.layout.buckets:
+        b.grad_flat.normal_(0.0, 1e-3)
+
+
+def _expected(opt: DeepOptimizerStates, index: int, compute: torch.device) -> torch.Tensor:
+    """What torch's fused AdamW on ``compute`` makes of subgroup ``index``'s master, from its state now."""
+    sg = opt.layout.subgroups[index]
+    p, g, m, v = (t.to(compute, torch.float32, copy=True) for t in (sg.master, sg.grad, sg.exp_avg, sg.exp_avg_sq))
+    group = opt.param_groups[sg.group_index]
+    adam_update(p, g, m, v, opt._steps[sg.group_index], AdamHyper.from_group(group, opt.adamw))
+    return p
+
+
+def _probes(opt: DeepOptimizerStates) -> list[int]:
+    places = opt.placements
+    return [places.index(kind) for kind in (Placement.CPU, Placement.STAGED) if kind in places]
+
+
+def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 1, 2, 3, 4, 5, 6, 7, 8, "auto"),
+                 subgroup_size: int = 50_000_000, warmup: int = 2, iters: int = 5, device: str | None = None,
+                 out: str | None = None) -> list[dict]:
+    """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines)."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    t0 = time.perf_counter()
+    model = llama(preset, torch.bfloat16, dev)
+    _sync(dev)
+    model_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, subgroup_size=subgroup_size)
+    _sync(dev)
+    startup_s = time.perf_counter() - t0
+    numel = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), device=dev)
+    model(input_ids=ids, labels=ids).loss.backward()  # one real backward: the grads land in our buffers
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim > 1)
+    header = {"model": preset, "params": numel, "subgroups": len(opt.layout.subgroups), "device": str(dev),
+              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none",
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "model_build_s": round(model_s, 2),
+              "startup_s": round(startup_s, 2), "pinned_host_GB": round(opt.layout.numel * HOST_BYTES_PER_ELEMENT / 1e9, 2),
+              "pinned": bool(opt.layout.buckets[0].master.is_pinned()) if dev.type == "cuda" else False}
+    print(json.dumps(header), flush=True)
+    rows = []
+    for schedule in schedules:
+        opt.schedule = schedule
+        times, stats, errors = [], [], []
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        for it in range(warmup + iters):
+            _fresh_grads(opt)
+            probes = _probes(opt) if it == warmup else []
+            expected = {i: _expected(opt, i, dev) for i in probes}
+            _sync(dev)
+            t0 = time.perf_counter()
+            opt.step()
+            _sync(dev)
+            if it >= warmup:
+                times.append(time.perf_counter() - t0)
+                stats.append(opt.last_update)
+            for i, want in expected.items():
+                got = opt.layout.subgroups[i].master.to(dev)
+                errors.append(((got - want).norm() / want.norm()).item())
+        mid = statistics.median(times)
+        row = {**header, "schedule": schedule, "staged": stats[0].staged_subgroups,
+               "update_s": round(mid, 4), "min_s": round(min(times), 4), "Gparams_per_s": round(numel / mid / 1e9, 3),
+               "cpu_adam_s": round(statistics.median(s.cpu_adam_seconds for s in stats), 4),
+               "h2d_GB": round(stats[0].h2d_bytes / 1e9, 2), "d2h_GB": round(stats[0].d2h_bytes / 1e9, 2),
+               "peak_gpu_GB": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else 0.0,
+               "max_rel_err_vs_torch": max(errors) if errors else None, "times": [round(t, 4) for t in times]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if errors and max(errors) > 1e-6:
+            raise AssertionError(f"schedule {schedule}: result differs from torch's fused AdamW by {max(errors):.2e}")
+    if out:
+        with open(out, "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of update-phase rows."""
+    lines = ["| schedule | staged subgroups | update s (median) | G params/s | CPU AdamW s | H2D GB | D2H GB "
+             "| peak GPU GB | max rel. err vs torch |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        err = f"{r['max_rel_err_vs_torch']:.1e}" if r["max_rel_err_vs_torch"] is not None else "-"
+        lines.append(f"| {r['schedule']} | {r['staged']}/{r['subgroups']} | {r['update_s']:.3f} | "
+                     f"{r['Gparams_per_s']:.2f} | {r['cpu_adam_s']:.3f} | {r['h2d_GB']} | {r['d2h_GB']} | "
+                     f"{r['peak_gpu_GB']} | {err} |")
+    return "\n".join(lines)

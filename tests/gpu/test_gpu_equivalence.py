@@ -1,0 +1,105 @@
+"""On a GPU, with real streams and a CPU worker: every schedule equals torch's AdamW, on fresh random data.
+
+Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu``. Seeds come from the OS each run and are
+printed, so a race (results that move between runs) shows up as a failure that names its seed.
+"""
+
+import os
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.reference import ReferenceAdamW
+from tests.harness import SCHEDULES, loss_of, mlp, tiny_llama, train_and_compare
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return seed
+
+
+@pytest.mark.parametrize("repeat", range(3))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=str)
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_every_schedule_matches_adamw_with_real_streams(kind, schedule, dtype, repeat):
+    seed = _seed()
+    model = (mlp if kind == "mlp" else tiny_llama)(dtype, "cuda", seed=seed)
+    size = sum(p.numel() for p in model.parameters()) // 10
+    opt = DeepOptimizerStates(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
+                              schedule=schedule, max_grad_norm=1.0 if repeat == 2 else None)
+    assert opt.layout.buckets[0].master.is_pinned()
+    train_and_compare(model, opt, steps=30, seed=seed, max_norm=0.5 if repeat == 1 else None)
+
+
+@pytest.mark.parametrize("schedule", [2, 3, "auto"], ids=str)
+def test_large_subgroups_many_slots_reuse(schedule):
+    """Subgroups of a million elements, more staged subgroups than slots: slot reuse waits for flushes."""
+    seed = _seed()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)]).to("cuda", torch.bfloat16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule=schedule)
+    staged = opt.placements.count(Placement.STAGED)
+    assert staged > opt.engine.staging_slots
+    ref = ReferenceAdamW(opt)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(5):
+        opt.zero_grad()
+        x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        ref.step()
+        opt.step()
+        ref.assert_matches()
+    assert opt.last_update.staged_subgroups == staged
+
+
+def test_fp16_on_gpu_skips_overflow_and_matches():
+    seed = _seed()
+    model = mlp(torch.float16, "cuda", seed=seed)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule=2)
+    ref = ReferenceAdamW(opt)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(10):
+        opt.zero_grad()
+        scale = opt.scaler.scale
+        opt.scale_loss(loss_of(model, gen)).backward()
+        if step == 4:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            assert opt.scaler.scale == scale / 2
+            continue
+        ref.step(unscale=1.0 / scale)
+        opt.step()
+        ref.assert_matches()
+
+
+def test_gpu_checkpoint_resume_is_bit_identical(tmp_path):
+    seed = _seed()
+
+    def run(steps, load=None, save=None):
+        model = tiny_llama(torch.bfloat16, "cuda", seed=seed)
+        opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=8000, schedule=3)
+        gen = torch.Generator().manual_seed(seed)
+        if load:
+            ckpt = torch.load(load, weights_only=True)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            gen.set_state(ckpt["rng"])
+        for i in range(steps):
+            opt.zero_grad()
+            loss_of(model, gen).backward()
+            opt.step()
+            if save and i == 4:
+                torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "rng": gen.get_state()}, save)
+        return model
+
+    path = tmp_path / "ckpt.pt"
+    straight = run(10, save=path)
+    resumed = run(5, load=path)
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
