@@ -49,11 +49,12 @@ def train_and_compare(model: nn.Module, opt: DeepOptimizerStates, steps: int = 3
         opt.zero_grad()
         for _ in range(micro_batches):
             (loss_of(model, gen) / micro_batches).backward()
-        ref_norm = ref.step(max_norm)
-        if max_norm:
-            ours_norm = opt.clip_grad_norm_(max_norm)
-            torch.testing.assert_close(ours_norm.cpu(), ref_norm.cpu(), rtol=1e-6, atol=0)
+        ref_norm = ref.step(max_norm or opt.max_grad_norm)
+        if max_norm:  # clip through the method; else through the constructor's max_grad_norm, if any
+            torch.testing.assert_close(opt.clip_grad_norm_(max_norm).cpu(), ref_norm.cpu(), rtol=1e-6, atol=0)
         opt.step()
+        if ref_norm is not None:
+            torch.testing.assert_close(opt.last_grad_norm.cpu(), ref_norm.cpu(), rtol=1e-6, atol=0)
         if ours_sched:
             ours_sched.step()
         ref.assert_matches(rtol)
