@@ -45,7 +45,7 @@ def _probes(opt: DeepOptimizerStates) -> list[int]:
 
 
 def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 1, 2, 3, 4, 5, 6, 7, 8, "auto"),
-                 subgroup_size: int = 50_000_000, warmup: int = 2, iters: int = 5, device: str | None = None,
+                 subgroup_size: int = 25_000_000, warmup: int = 2, iters: int = 5, device: str | None = None,
                  out: str | None = None) -> list[dict]:
     """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

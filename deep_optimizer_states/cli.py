@@ -25,7 +25,7 @@ def _train(args: argparse.Namespace) -> int:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = llama(args.model, torch.bfloat16, device)
     numel = sum(p.numel() for p in model.parameters())
-    size = args.subgroup_size or max(ALIGN, min(50_000_000, math.ceil(numel / 8)))
+    size = args.subgroup_size or max(ALIGN, min(25_000_000, math.ceil(numel / 8)))
     opt = DeepOptimizerStates(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
                               schedule=args.schedule, max_grad_norm=1.0)
     ref = ReferenceAdamW(opt) if args.check else None
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--seq", type=int, default=64)
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
-    train.add_argument("--subgroup-size", type=int, default=None, help="elements (default: 1/8 of the model, <= 50M)")
+    train.add_argument("--subgroup-size", type=int, default=None, help="elements (default: 1/8 of the model, <= 25M)")
     train.add_argument("--device", default="auto", help="auto | cpu | cuda")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-check", dest="check", action="store_false",
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="time the update phase per schedule")
     bench.add_argument("--model", default="1.36b")
     bench.add_argument("--schedules", default="cpu,1,2,3,4,5,6,7,8,auto")
-    bench.add_argument("--subgroup-size", type=int, default=50_000_000)
+    bench.add_argument("--subgroup-size", type=int, default=25_000_000)
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--iters", type=int, default=5)
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

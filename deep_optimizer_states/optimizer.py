@@ -47,7 +47,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         weight_decay: float = 1e-2,
         *,
         adamw: bool = True,
-        subgroup_size: int = 50_000_000,
+        subgroup_size: int = 25_000_000,
         schedule: Schedule = "auto",
         max_grad_norm: float | None = None,
         loss_scale: str | float | None = "auto",

@@ -7,9 +7,9 @@ from typing import Union
 
 Schedule = Union[str, int]
 
-# Until the calibrated performance model chooses, "auto" stages this fraction of subgroups: the best
-# point of the design study on an H200 (0.625 staged: 0.29 s for 1.36B params, DESIGN.md section 2).
-AUTO_STAGED_FRACTION = 0.625
+# Until the calibrated performance model chooses, "auto" stages this fraction of subgroups: the best point
+# of our sweep on an H200 (1.36B params, subgroups of 25M: k=2 took 0.284 s, docs/update-phase.md).
+AUTO_STAGED_FRACTION = 0.5
 
 
 class Placement(str, Enum):

@@ -123,4 +123,4 @@ def test_placements_for_each_schedule():
     assert placements(1, 3) == [S] * 3
     assert placements(3, 7) == [S, C, C, S, C, C, S]
     auto = placements("auto", 16)
-    assert auto.count(S) == 10 and auto[0] is S
+    assert auto.count(S) == 8 and auto[0] is S and auto == placements(2, 16)
