@@ -14,9 +14,11 @@ from typing import Sequence
 import torch
 
 from .adam import AdamHyper, adam_update
+from .calibrate import calibrated_rates
 from .layout import HOST_BYTES_PER_ELEMENT
 from .models import llama
 from .optimizer import DeepOptimizerStates
+from .perfmodel import lower_bound, predict
 from .schedule import Placement, Schedule
 
 
@@ -50,20 +52,27 @@ def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 
     """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     t0 = time.perf_counter()
+    rates = calibrated_rates(dev, force=True, log=print)
+    calibrate_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     model = llama(preset, torch.bfloat16, dev)
     _sync(dev)
     model_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, subgroup_size=subgroup_size)
+    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, subgroup_size=subgroup_size, schedule="cpu")
     _sync(dev)
     startup_s = time.perf_counter() - t0
     numel = sum(p.numel() for p in model.parameters())
+    sizes = [sg.numel for sg in opt.layout.subgroups]
+    bound_s, bound_f = lower_bound(numel, rates)
     ids = torch.randint(0, model.config.vocab_size, (1, 128), device=dev)
     model(input_ids=ids, labels=ids).loss.backward()  # one real backward: the grads land in our buffers
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim > 1)
     header = {"model": preset, "params": numel, "subgroups": len(opt.layout.subgroups), "device": str(dev),
               "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "model_build_s": round(model_s, 2),
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "calibrate_s": round(calibrate_s, 2),
+              "rates": rates.as_dict(), "lower_bound_s": round(bound_s, 4), "lower_bound_staged_fraction": bound_f,
+              "model_build_s": round(model_s, 2),
               "startup_s": round(startup_s, 2), "pinned_host_GB": round(opt.layout.numel * HOST_BYTES_PER_ELEMENT / 1e9, 2),
               "pinned": bool(opt.layout.buckets[0].master.is_pinned()) if dev.type == "cuda" else False}
     print(json.dumps(header), flush=True)
@@ -88,11 +97,14 @@ def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 
                 got = opt.layout.subgroups[i].master.to(dev)
                 errors.append(((got - want).norm() / want.norm()).item())
         mid = statistics.median(times)
+        pred = predict(sizes, opt.placements, rates, max(opt.plan.slots, 1))
         row = {**header, "schedule": schedule, "staged": stats[0].staged_subgroups,
-               "update_s": round(mid, 4), "min_s": round(min(times), 4), "Gparams_per_s": round(numel / mid / 1e9, 3),
+               "update_s": round(mid, 4), "predicted_s": round(pred.seconds, 4),
+               "prediction_error": round(pred.seconds / mid - 1, 4), "bottleneck": pred.bottleneck, "min_s": round(min(times), 4), "Gparams_per_s": round(numel / mid / 1e9, 3),
                "cpu_adam_s": round(statistics.median(s.cpu_adam_seconds for s in stats), 4),
                "h2d_GB": round(stats[0].h2d_bytes / 1e9, 2), "d2h_GB": round(stats[0].d2h_bytes / 1e9, 2),
                "peak_gpu_GB": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else 0.0,
+               "lanes_s": {k: round(statistics.median(s.lane_seconds[k] for s in stats), 4) for k in stats[0].lane_seconds},
                "max_rel_err_vs_torch": max(errors) if errors else None, "times": [round(t, 4) for t in times]}
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -106,12 +118,14 @@ def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 
 
 
 def table(rows: list[dict]) -> str:
-    """A markdown table of update-phase rows."""
-    lines = ["| schedule | staged subgroups | update s (median) | G params/s | CPU AdamW s | H2D GB | D2H GB "
-             "| peak GPU GB | max rel. err vs torch |", "|---|---|---|---|---|---|---|---|---|"]
+    """A markdown table of update-phase rows, measured beside predicted."""
+    lines = ["| schedule | staged | update s (median) | predicted s | error | G params/s | model's bottleneck "
+             "| CPU AdamW s | H2D GB | D2H GB | peak GPU GB | max rel. err vs torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['max_rel_err_vs_torch']:.1e}" if r["max_rel_err_vs_torch"] is not None else "-"
         lines.append(f"| {r['schedule']} | {r['staged']}/{r['subgroups']} | {r['update_s']:.3f} | "
-                     f"{r['Gparams_per_s']:.2f} | {r['cpu_adam_s']:.3f} | {r['h2d_GB']} | {r['d2h_GB']} | "
+                     f"{r['predicted_s']:.3f} | {r['prediction_error']:+.1%} | {r['Gparams_per_s']:.2f} | "
+                     f"{r['bottleneck']} | {r['cpu_adam_s']:.3f} | {r['h2d_GB']} | {r['d2h_GB']} | "
                      f"{r['peak_gpu_GB']} | {err} |")
     return "\n".join(lines)

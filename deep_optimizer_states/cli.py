@@ -1,8 +1,9 @@
-"""The ``dos`` command: ``dos train`` (the main job) and ``dos bench`` (the update-phase benchmark)."""
+"""The ``dos`` command: ``dos train`` (the main job), ``dos bench``, ``dos calibrate`` and ``dos plan``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -68,6 +69,81 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import cache_path, calibrated_rates, describe, load_cached
+
+    device = _device()
+    fresh = args.force or load_cached(device) is None
+    rates = calibrated_rates(device, force=args.force)
+    if args.json:
+        print(json.dumps(rates.as_dict()))
+        return 0
+    print(f"{'measured now' if fresh else 'from the cache'} on {device} ({torch.get_num_threads()} CPU threads):")
+    print("\n".join("  " + line for line in describe(rates)))
+    print(f"cache: {cache_path(device)}")
+    return 0
+
+
+PLAN_SIZES = (6_250_000, 12_500_000, 25_000_000, 50_000_000, 100_000_000)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print the schedule the model chooses for a model of ``--params`` parameters, and the bound."""
+    from .calibrate import calibrated_rates
+    from .perfmodel import choose, lower_bound, predict
+    from .plan import SCRATCH_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
+    from .schedule import placements
+
+    if args.params <= 0:
+        raise SystemExit("--params must be > 0")
+    device = _device()
+    rates = calibrated_rates(device, log=lambda s: print(s, file=sys.stderr))
+    params = int(args.params)
+    options = []
+    for size in ([args.subgroup_size] if args.subgroup_size else PLAN_SIZES):
+        count = max(1, math.ceil(params / size))
+        sizes = [params // count + (i < params % count) for i in range(count)]
+        slots = 2
+        if args.gpu_memory_gb is not None:  # what is left after bf16 params and grads (4 B/param) and scratch
+            spare = args.gpu_memory_gb * 1e9 - 4 * params - SCRATCH_BYTES_PER_ELEMENT * sizes[0]
+            slots = int(max(0, min(2, spare // (SLOT_BYTES_PER_ELEMENT * sizes[0]))))
+        if slots:
+            places, pred = choose(sizes, rates, slots)
+        else:  # no room for a staging slot: everything on the CPU
+            places = placements("cpu", count)
+            pred = predict(sizes, places, rates)
+        options.append((pred.seconds, size, slots, places, pred))
+    seconds, size, slots, places, pred = min(options, key=lambda o: o[0])
+    bound, fraction = lower_bound(params, rates)
+    result = {"params": params, "device": str(device), "subgroup_size": size, "subgroups": len(places),
+              "staged": pred.staged, "on_cpu": pred.cpu, "staging_slots": slots,
+              "placements": "".join("S" if p.value == "staged" else "c" for p in places),
+              "predicted_update_s": round(seconds, 4), "Gparams_per_s": round(params / seconds / 1e9, 3),
+              "bottleneck": pred.bottleneck, "busy_s": {"cpu": round(pred.cpu_s, 4), "h2d": round(pred.h2d_s, 4),
+                                                        "d2h": round(pred.d2h_s, 4), "gpu": round(pred.gpu_s, 4)},
+              "lower_bound_s": round(bound, 4), "lower_bound_staged_fraction": fraction,
+              "of_lower_bound": round(bound / seconds, 3)}
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{params / 1e9:.2f}B params on {device}: subgroups of {size / 1e6:g}M elements ({len(places)}), "
+          f"{pred.staged} staged to the GPU and {pred.cpu} on the CPU, {slots} staging slots")
+    pattern = result["placements"]
+    print(f"  placement   {pattern[:80]}{'...' if len(pattern) > 80 else ''}   (S staged, c CPU)")
+    print(f"  predicted   {seconds:.3f} s per update, {result['Gparams_per_s']:.2f} G params/s; bottleneck: "
+          f"{pred.bottleneck}")
+    print(f"  busy        CPU {pred.cpu_s:.3f} s, link {pred.h2d_s:.3f} s each way, GPU {pred.gpu_s:.3f} s")
+    print(f"  lower bound {bound:.3f} s (everything overlapped, {fraction:.0%} staged): the plan reaches "
+          f"{bound / seconds:.0%} of it")
+    if device.type != "cuda":
+        print("  (no GPU here: the 'link' rates are this machine's host memory copies)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dos", description=__doc__)
     sub = parser.add_subparsers(dest="command")
@@ -91,8 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--iters", type=int, default=5)
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--out", default=None, help="append JSON lines here")
+    calibrate = sub.add_parser("calibrate", help="measure this machine's rates for the performance model")
+    calibrate.add_argument("--force", action="store_true", help="measure again even if cached")
+    calibrate.add_argument("--json", action="store_true")
+    plan = sub.add_parser("plan", help="the schedule, predicted update time and lower bound for a model size")
+    plan.add_argument("--params", type=float, required=True, help="parameter count, e.g. 5.2e9")
+    plan.add_argument("--gpu-memory-gb", type=float, default=None, help="GPU memory budget (default: all)")
+    plan.add_argument("--subgroup-size", type=int, default=None, help="elements (default: the best of a few)")
+    plan.add_argument("--json", action="store_true")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:] or ["train"])
-    return {"train": _train, "bench": _bench}[args.command](args)
+    commands = {"train": _train, "bench": _bench, "calibrate": _calibrate, "plan": _plan}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ class Job:
 
 @dataclass
 class UpdateStats:
-    """What one update did: wall time, CPU AdamW time, and the bytes it moved each way over PCIe."""
+    """What one update did: wall time, busy time per resource, and the bytes it moved each way over PCIe."""
 
     seconds: float
     cpu_adam_seconds: float
@@ -52,6 +52,7 @@ class UpdateStats:
     staged_subgroups: int
     h2d_bytes: int
     d2h_bytes: int
+    lane_seconds: dict[str, float]  # busy time of each lane: grads_down, params_up, stage_in, gpu, stage_out
 
 
 class _Slot:
@@ -89,23 +90,24 @@ def _from_fp32(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | Non
 class Engine:
     """Runs updates for one device; holds its lanes and its CPU worker, nothing between steps."""
 
-    def __init__(self, device: torch.device, staging_slots: int = 2) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.staging_slots = staging_slots
-        self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out = (Lane(device) for _ in range(5))
-        self.lanes = (self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out)
+        self.lanes = {name: Lane(device) for name in ("grads_down", "params_up", "stage_in", "gpu", "stage_out")}
+        self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out = self.lanes.values()
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam")
                         if device.type == "cuda" else None)
         self._warned_fallback = False
 
-    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = ()) -> UpdateStats:
+    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = 2) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and host states are all updated."""
+        if any(j.placement is Placement.RESIDENT for j in jobs):
+            raise NotImplementedError("resident subgroups are not run by the engine yet: use 'cpu' or 'staged'")
         start = time.perf_counter()
         self._cpu_adam_seconds = 0.0
         ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
-        for lane in self.lanes:
+        for lane in self.lanes.values():
             lane.wait(ready)
-        jobs, slots, down, up = self._buffers(jobs)
+        jobs, slots, down, up = self._buffers(jobs, max_slots)
         pending: list[Future] = []
         staged = 0
         for job in jobs:
@@ -117,17 +119,18 @@ class Engine:
                 pending.append(self._on_cpu(self._update_on_cpu, job, landed, up))
         for f in pending:
             f.result()
-        for lane in self.lanes:
+        for lane in self.lanes.values():
             lane.synchronize()
-        return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds)
+        busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
+        return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy)
 
-    def _buffers(self, jobs: list[Job]):
+    def _buffers(self, jobs: list[Job], count: int):
         """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""
         staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED]
         slots = []
         if staged:
             try:
-                slots = [_Slot(max(staged), self.device) for _ in range(min(self.staging_slots, len(staged)))]
+                slots = [_Slot(max(staged), self.device) for _ in range(min(count, len(staged)))]
             except torch.cuda.OutOfMemoryError:
                 if not self._warned_fallback:
                     warnings.warn("not enough GPU memory for the staging slots: updating every subgroup on the CPU")
@@ -149,7 +152,7 @@ class Engine:
     def _grad_down(self, sg: Subgroup, scratch, multipliers):
         with self.grads_down.run():
             _to_fp32(sg.grad32, sg.grad, scratch, multipliers)
-            return self.grads_down.record()
+        return self.grads_down.record()
 
     def _update_on_cpu(self, job: Job, landed, scratch) -> None:
         sg = job.subgroup
@@ -164,29 +167,27 @@ class Engine:
         sg = job.subgroup
         n = sg.numel
         p, g, m, v = slot.p[:n], slot.g[:n], slot.m[:n], slot.v[:n]
+        self.stage_in.wait(slot.free)
         with self.stage_in.run():
-            self.stage_in.wait(slot.free)
             for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                 dst.copy_(src, non_blocking=True)
-            arrived = self.stage_in.record()
+        self.gpu.wait(self.stage_in.record())
         with self.gpu.run():
-            self.gpu.wait(arrived)
             _to_fp32(g, sg.grad, None, multipliers)
             adam_update(p, g, m, v, job.steps_done, job.hyper)
             _from_fp32(sg.param, p, None)
-            computed = self.gpu.record()
+        self.stage_out.wait(self.gpu.record())
         with self.stage_out.run():
-            self.stage_out.wait(computed)
             for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):
                 dst.copy_(src, non_blocking=True)
-            slot.free = self.stage_out.record()
+        slot.free = self.stage_out.record()
 
     @staticmethod
-    def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float) -> UpdateStats:
+    def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float]) -> UpdateStats:
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
         staged_bytes = sum(12 * sg.numel for sg in staged)
         grad_bytes = sum(4 * sg.numel for sg in cpu)
         up_bytes = sum(4 * sg.numel for sg in cpu)
         return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=staged_bytes + up_bytes,
-                           d2h_bytes=staged_bytes + grad_bytes)
+                           d2h_bytes=staged_bytes + grad_bytes, lane_seconds=busy)

@@ -7,6 +7,7 @@ on the CPU the work runs in program order, so the same engine code needs no even
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Iterator
 
 import torch
@@ -22,21 +23,35 @@ class _Done:
 class Lane:
     """One ordered queue of device work: a CUDA stream, or the program order on the CPU."""
 
-    def __init__(self, device: torch.device, priority: int = 0) -> None:
-        self.stream = torch.cuda.Stream(device, priority=priority) if device.type == "cuda" else None
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._spans: list = []
 
     @contextlib.contextmanager
     def run(self) -> Iterator[None]:
-        """Enqueue the enclosed work on this lane."""
+        """Enqueue the enclosed work on this lane, timing it (waits belong before, outside the block)."""
         if self.stream is None:
+            t0 = time.perf_counter()
             yield
-        else:
-            with torch.cuda.stream(self.stream):
-                yield
+            self._spans.append(time.perf_counter() - t0)
+            return
+        with torch.cuda.stream(self.stream):
+            begin = self.record(timing=True)
+            yield
+            self._spans.append((begin, self.record(timing=True)))
 
-    def record(self):
+    def busy_seconds(self) -> float:
+        """Time this lane's work took since the last call (after the work has completed); resets."""
+        spans, self._spans = self._spans, []
+        if self.stream is None:
+            return sum(spans)
+        return sum(b.elapsed_time(e) for b, e in spans) / 1e3
+
+    def record(self, timing: bool = False):
         """An event that completes when all work enqueued on this lane so far has completed."""
-        return _Done() if self.stream is None else self.stream.record_event()
+        if self.stream is None:
+            return _Done()
+        return self.stream.record_event(torch.cuda.Event(enable_timing=True) if timing else None)
 
     def wait(self, event) -> None:
         """Make later work on this lane wait for ``event`` (without blocking the host)."""

@@ -13,7 +13,8 @@ from .adam import AdamHyper, check_group
 from .engine import Engine, Job, UpdateStats
 from .grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
 from .layout import Layout
-from .schedule import Placement, Schedule, placements, validate_schedule
+from .plan import Plan, Planner
+from .schedule import Placement, Schedule
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -69,7 +70,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.device = self._check_params(device)
         self.layout = Layout(self.param_groups, subgroup_size, self.device)
-        self.engine = Engine(self.device, staging_slots)
+        self.engine = Engine(self.device)
+        self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots)
         self.schedule = schedule
         self.scaler = self._make_scaler(loss_scale)
         self._steps = [0] * len(self.param_groups)
@@ -142,12 +144,16 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     @schedule.setter
     def schedule(self, value: Schedule) -> None:
-        self._schedule = validate_schedule(value)
-        self._placements = placements(self._schedule, len(self.layout.subgroups))
+        self._schedule = self.planner.plan(value).schedule
+
+    @property
+    def plan(self) -> Plan:
+        """Where each subgroup is updated now, with the performance model's prediction when it has one."""
+        return self.planner.current
 
     @property
     def placements(self) -> list[Placement]:
-        return list(self._placements)
+        return list(self.plan.placements)
 
     # ---- the training-loop API ----------------------------------------------------------------------
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -181,9 +187,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if multipliers is None:  # fp16 overflow: nothing updated, the scale backed off
             return loss
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
+        plan = self.planner.refresh()
         jobs = [Job(sg, place, hyper[sg.group_index], self._steps[sg.group_index])
-                for sg, place in zip(self.layout.subgroups, self._placements)]
-        self.last_update = self.engine.update(jobs, multipliers)
+                for sg, place in zip(self.layout.subgroups, plan.placements)]
+        self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1))
         for gi in range(len(self._steps)):
             self._steps[gi] += 1
             self._step_tensors[gi].fill_(self._steps[gi])

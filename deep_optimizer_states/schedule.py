@@ -15,6 +15,7 @@ AUTO_STAGED_FRACTION = 0.5
 class Placement(str, Enum):
     CPU = "cpu"  # grad down to host, fused AdamW on the CPU, fp32 master up and cast on the GPU
     STAGED = "staged"  # master/exp_avg/exp_avg_sq up into a GPU slot, fused AdamW on the GPU, states back
+    RESIDENT = "resident"  # states kept on the GPU: priced by the performance model, not yet run by the engine
 
 
 def validate_schedule(schedule: Schedule) -> Schedule:

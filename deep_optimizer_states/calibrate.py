@@ -1,0 +1,198 @@
+"""Calibration: measure the rates the performance model needs on this machine, and cache them per machine.
+
+The cache is a JSON file under the user's cache directory (``$DOS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/deep_optimizer_states``, else ``~/.cache/deep_optimizer_states``), one per machine
+fingerprint (GPU, CPU count, torch threads and version). A corrupt or stale file is ignored with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .adam import AdamHyper, adam_update
+from .host_memory import host_empty
+from .lanes import Lane
+from .perfmodel import Rates
+
+CACHE_VERSION = 1
+_HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
+
+
+def fingerprint(device: torch.device) -> dict:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
+    return {"gpu": gpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "host": platform.node()}
+
+
+def cache_path(device: torch.device) -> Path:
+    root = os.environ.get("DOS_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
+        / "deep_optimizer_states"
+    key = hashlib.sha1(json.dumps(fingerprint(device), sort_keys=True).encode()).hexdigest()[:12]
+    return Path(root) / f"calibration-{key}.json"
+
+
+def load_cached(device: torch.device) -> Rates | None:
+    """The cached rates for this machine, or None (with a warning when a file is there but unusable)."""
+    path = cache_path(device)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != CACHE_VERSION or data.get("fingerprint") != fingerprint(device):
+            raise ValueError("stale: made by another version or for another machine")
+        rates = Rates(**data["rates"])
+        if not all(isinstance(v, (int, float)) and v > 0 for v in rates.as_dict().values()):
+            raise ValueError("rates must be positive numbers")
+        return rates
+    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        warnings.warn(f"ignoring the calibration cache {path}: {e}; recalibrating")
+        return None
+
+
+def save(rates: Rates, device: torch.device) -> Path:
+    path = cache_path(device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fingerprint(device),
+                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": rates.as_dict()}, indent=1))
+    tmp.replace(path)  # atomic: a crash never leaves half a file
+    return path
+
+
+def calibrated_rates(device: torch.device, force: bool = False, log: Callable[[str], None] | None = None) -> Rates:
+    """Cached rates for this machine, measuring (and caching) them first if needed or forced."""
+    rates = None if force else load_cached(device)
+    if rates is None:
+        rates = measure(device, log=log)
+        save(rates, device)
+    return rates
+
+
+def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: float = 0.15) -> float:
+    """work/s of ``fn``: the median of timed batches after one warm-up call."""
+    fn()
+    sync()
+    runs = []
+    for _ in range(3):
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < min_s / 3:
+            fn()
+            calls += 1
+        sync()
+        runs.append(calls * work / (time.perf_counter() - t0))
+    return statistics.median(runs)
+
+
+def measure(device: torch.device, numel: int | None = None, log: Callable[[str], None] | None = None) -> Rates:
+    """Measure every rate of ``Rates`` on ``device`` (a GPU; on the CPU the link is a host memory copy)."""
+    log = log or (lambda s: None)
+    cuda = device.type == "cuda"
+    n = numel or (25_000_000 if cuda else 2_000_000)
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    start = time.perf_counter()
+    p, g, m, v = (torch.randn(n) * s for s in (1.0, 1e-3, 1e-3, 1e-6))
+    v.abs_()
+    cpu_adam = _rate(lambda: adam_update(p, g, m, v, 1, _HYPER), n, sync)
+    dp, dg, dm, dv = (t.to(device) for t in (p, g, m, v))
+    gpu_adam = _rate(lambda: adam_update(dp, dg, dm, dv, 1, _HYPER), n, sync)
+    link = _Link(device, 3 * n)
+    nbytes = 12 * n
+    h2d = _rate(link.up, nbytes, sync)
+    d2h = _rate(link.down, nbytes, sync)
+    bidir = _rate(link.both, nbytes, sync)
+    cpu_c, bidir_c = (cpu_adam, bidir) if not cuda else \
+        _contended(link, nbytes, lambda: adam_update(p, g, m, v, 1, _HYPER), n)
+    half = torch.randn(n, device=device).to(torch.bfloat16)
+    upcast = _rate(lambda: dp.copy_(half), n, sync)
+    host_half = torch.empty(n, dtype=torch.bfloat16)
+    downcast = _rate(lambda: host_half.copy_(p), n, sync)
+    per_subgroup = _per_subgroup_cost(device)
+    rates = Rates(cpu_adam, cpu_c, gpu_adam, h2d, d2h, bidir, bidir_c, upcast, downcast, per_subgroup)
+    log(f"calibrated in {time.perf_counter() - start:.1f} s ({torch.get_num_threads()} CPU threads, "
+        f"subgroups of {n / 1e6:.0f}M elements):")
+    for line in describe(rates):
+        log("  " + line)
+    return rates
+
+
+class _Link:
+    """Pinned host buffers and device buffers for timing copies each way, on their own streams."""
+
+    def __init__(self, device: torch.device, numel: int) -> None:
+        cuda = device.type == "cuda"
+        self.src, self.dst = host_empty(numel, torch.float32, cuda), host_empty(numel, torch.float32, cuda)
+        self.src.fill_(1.0)
+        self.dst.fill_(0.0)
+        self.dev_in, self.dev_out = torch.empty(numel, device=device), torch.ones(numel, device=device)
+        self.lanes = (Lane(device), Lane(device))
+
+    def up(self) -> None:
+        with self.lanes[0].run():
+            self.dev_in.copy_(self.src, non_blocking=True)
+
+    def down(self) -> None:
+        with self.lanes[1].run():
+            self.dst.copy_(self.dev_out, non_blocking=True)
+
+    def both(self, reps: int = 1) -> list:
+        """Enqueue ``reps`` copies each way at once; returns the events of their completion."""
+        for _ in range(reps):
+            self.up()
+            self.down()
+        return [lane.record(timing=True) for lane in self.lanes]
+
+
+def _contended(link: _Link, nbytes: int, cpu_step: Callable[[], None], n: int) -> tuple[float, float]:
+    """CPU AdamW and both-way link rates while both run at once (they share host memory bandwidth)."""
+    torch.cuda.synchronize()
+    reps = 24
+    starts = [torch.cuda.Event(enable_timing=True) for _ in link.lanes]
+    for lane, event in zip(link.lanes, starts):
+        event.record(lane.stream)
+    t0 = time.perf_counter()
+    ends = link.both(reps)
+    calls = 0
+    while not all(e.query() for e in ends):
+        cpu_step()
+        calls += 1
+    cpu_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    link_s = max(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
+    return calls * n / cpu_s, reps * nbytes / link_s
+
+
+def _per_subgroup_cost(device: torch.device) -> float:
+    """The fixed cost of one CPU subgroup: an event round trip and a fused AdamW call on a tiny tensor."""
+    t = [torch.zeros(1024) for _ in range(4)]
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).record_event().synchronize()
+        adam_update(*t, 1, _HYPER)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def describe(r: Rates) -> list[str]:
+    """Each rate with its unit."""
+    return [f"CPU fused AdamW           {r.cpu_adam / 1e9:7.2f} G elements/s",
+            f"CPU fused AdamW, link busy {r.cpu_adam_contended / 1e9:6.2f} G elements/s",
+            f"GPU fused AdamW           {r.gpu_adam / 1e9:7.2f} G elements/s",
+            f"host->GPU pinned          {r.h2d / 1e9:7.2f} GB/s",
+            f"GPU->host pinned          {r.d2h / 1e9:7.2f} GB/s",
+            f"both directions at once   {r.bidir / 1e9:7.2f} GB/s each way",
+            f"both ways, CPU AdamW busy {r.bidir_contended / 1e9:7.2f} GB/s each way",
+            f"GPU bf16->fp32 up-cast    {r.gpu_upcast / 1e9:7.2f} G elements/s",
+            f"CPU fp32->bf16 down-cast  {r.cpu_downcast / 1e9:7.2f} G elements/s",
+            f"fixed cost per subgroup   {r.per_subgroup_s * 1e6:7.1f} us"]

@@ -1,0 +1,48 @@
+"""The dos command: the main job, calibrate and plan, run as a user would on a CPU machine."""
+
+import json
+
+import pytest
+
+from deep_optimizer_states.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+
+
+def test_train_runs_checked_against_torch(capsys):
+    assert main(["train", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "step   3" in out and "matches torch.optim.AdamW on fp32 masters" in out
+
+
+def test_calibrate_prints_each_rate_with_its_unit(capsys):
+    assert main(["calibrate"]) == 0
+    out = capsys.readouterr().out
+    assert "measured now" in out and "G elements/s" in out and "GB/s" in out
+    assert main(["calibrate"]) == 0
+    assert "from the cache" in capsys.readouterr().out
+
+
+def test_plan_json_is_consistent(capsys):
+    assert main(["plan", "--params", "2e8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["params"] == 200_000_000 and plan["staged"] + plan["on_cpu"] == plan["subgroups"]
+    assert len(plan["placements"]) == plan["subgroups"]
+    assert plan["lower_bound_s"] <= plan["predicted_update_s"]
+    assert plan["bottleneck"] in ("cpu", "link", "gpu")
+
+
+def test_plan_under_a_small_gpu_budget_stages_nothing(capsys):
+    assert main(["plan", "--params", "2e9", "--gpu-memory-gb", "8", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert plan["staging_slots"] == 0 and plan["staged"] == 0
+
+
+def test_bench_smoke_on_cpu(capsys):
+    assert main(["bench", "--model", "tiny", "--subgroup-size", "100000", "--schedules", "cpu,2", "--iters", "2",
+                 "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| cpu |" in out and "| 2 |" in out

@@ -1,0 +1,149 @@
+"""The performance model on made-up rates, the automatic choice, and the calibration cache."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states import calibrate
+from deep_optimizer_states.perfmodel import (Rates, best_stride, choose, lower_bound, predict, stride_formula,
+                                             stride_places)
+from deep_optimizer_states.schedule import spread
+from tests.harness import mlp
+
+H200_LIKE = Rates(cpu_adam=4.2e9, cpu_adam_contended=3.0e9, gpu_adam=120e9, h2d=49e9, d2h=51e9, bidir=46e9,
+                  bidir_contended=40e9, gpu_upcast=600e9, cpu_downcast=5e9, per_subgroup_s=50e-6)
+NO_CONTENTION = Rates(cpu_adam=4e9, cpu_adam_contended=4e9, gpu_adam=100e9, h2d=50e9, d2h=50e9, bidir=50e9,
+                      bidir_contended=50e9, gpu_upcast=1e12, cpu_downcast=5e9, per_subgroup_s=0.0)
+
+
+def equal(count, size=25_000_000):
+    return [size] * count
+
+
+def test_more_work_never_takes_less_time():
+    for k in (None, 1, 2, 3):
+        times = [predict(equal(n), stride_places(n, k), H200_LIKE).seconds for n in (8, 16, 32, 64)]
+        assert times == sorted(times)
+
+
+def test_faster_resources_never_slow_the_update():
+    sizes, places = equal(40), stride_places(40, 2)
+    base = predict(sizes, places, H200_LIKE).seconds
+    faster_cpu = Rates(**{**H200_LIKE.as_dict(), "cpu_adam": 5e9, "cpu_adam_contended": 3.6e9})
+    faster_link = Rates(**{**H200_LIKE.as_dict(), "bidir": 60e9, "bidir_contended": 52e9})
+    assert predict(sizes, places, faster_cpu).seconds <= base
+    assert predict(sizes, places, faster_link).seconds <= base
+
+
+def test_the_ends_are_priced_by_their_single_resource():
+    n = 40
+    all_cpu = predict(equal(n), stride_places(n, None), NO_CONTENTION)
+    assert all_cpu.bottleneck == "cpu" and all_cpu.staged == 0
+    assert all_cpu.body_s == pytest.approx(n * 25e6 / 4e9)
+    all_staged = predict(equal(n), stride_places(n, 1), NO_CONTENTION)
+    assert all_staged.bottleneck == "link" and all_staged.cpu == 0
+    assert all_staged.body_s == pytest.approx(12 * n * 25e6 / 50e9)
+
+
+def test_contention_slows_the_mix_and_one_slot_serialises_the_link():
+    sizes, places = equal(40), stride_places(40, 2)
+    free = Rates(**{**H200_LIKE.as_dict(), "cpu_adam_contended": 4.2e9, "bidir_contended": 46e9})
+    assert predict(sizes, places, H200_LIKE).seconds > predict(sizes, places, free).seconds
+    assert predict(sizes, stride_places(40, 1), H200_LIKE, slots=1).seconds > \
+        1.9 * predict(sizes, stride_places(40, 1), H200_LIKE, slots=2).body_s
+
+
+def test_residents_cost_gpu_time_only():
+    sizes = equal(10)
+    cpu_only = predict(sizes, [Placement.CPU] * 10, H200_LIKE)
+    with_residents = predict(sizes, [Placement.RESIDENT] * 5 + [Placement.CPU] * 5, H200_LIKE)
+    assert with_residents.resident == 5 and with_residents.seconds < cpu_only.seconds
+    assert predict(sizes, [Placement.RESIDENT] * 10, H200_LIKE).seconds == pytest.approx(10 * 25e6 / 120e9)
+
+
+def test_the_stride_formula_is_the_special_case_of_equal_subgroups():
+    """Without contention the model's best stride is the paper's k* = 1 + t_link / t_cpu, rounded."""
+    n = 240
+    k_star = stride_formula(25_000_000, NO_CONTENTION)
+    k, _ = best_stride(equal(n), NO_CONTENTION)
+    assert k in (math.floor(k_star), math.ceil(k_star))
+    # at k*, the CPU's (k-1) subgroups take as long as one staged subgroup's transfer
+    t_cpu = 25e6 / NO_CONTENTION.cpu_adam
+    t_link = 12 * 25e6 / (NO_CONTENTION.bidir - 4 * NO_CONTENTION.cpu_adam)
+    assert (k_star - 1) * t_cpu == pytest.approx(t_link)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_choice_is_never_worse_than_brute_force_over_k(seed):
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(8, generator=gen).tolist()
+    cpu = 1e9 + 5e9 * u[0]
+    link = 10e9 + 60e9 * u[1]
+    rates = Rates(cpu, cpu * (0.5 + 0.5 * u[2]), 50e9 + 100e9 * u[3], link, link, link * (0.8 + 0.2 * u[4]),
+                  link * (0.5 + 0.3 * u[5]), 500e9, 5e9, 1e-4 * u[6])
+    count = 8 + int(60 * u[7])
+    sizes = equal(count)
+    brute = min((predict(sizes, stride_places(count, k), rates).seconds, k) for k in [None, *range(1, count + 1)])
+    k, pred = best_stride(sizes, rates)
+    assert pred.seconds == brute[0]
+    places, chosen = choose(sizes, rates)
+    assert chosen.seconds <= brute[0] + 1e-12
+    assert places == spread(count, chosen.staged)
+
+
+def test_lower_bound_is_below_every_plan():
+    sizes = equal(55)
+    bound, fraction = lower_bound(sum(sizes), H200_LIKE)
+    assert 0 < fraction < 1
+    for k in (None, 1, 2, 3, 4):
+        assert bound <= predict(sizes, stride_places(55, k), H200_LIKE).seconds
+    assert bound <= choose(sizes, H200_LIKE)[1].seconds
+
+
+def test_rates_round_trip_through_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    assert calibrate.load_cached(cpu) is None
+    path = calibrate.save(H200_LIKE, cpu)
+    assert path.parent == tmp_path and calibrate.load_cached(cpu) == H200_LIKE
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"version": 1}),
+                                     "STALE", json.dumps({"version": 999}), "NEGATIVE"])
+def test_corrupt_or_stale_cache_is_ignored_with_a_warning(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    path = calibrate.save(H200_LIKE, cpu)
+    data = json.loads(path.read_text())
+    if content == "STALE":
+        data["fingerprint"]["gpu"] = "another GPU"
+        content = json.dumps(data)
+    elif content == "NEGATIVE":
+        data["rates"]["cpu_adam"] = -1
+        content = json.dumps(data)
+    path.write_text(content)
+    with pytest.warns(UserWarning, match="ignoring the calibration cache"):
+        assert calibrate.load_cached(cpu) is None
+
+
+def test_calibration_measures_positive_rates_and_caches_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    lines = []
+    rates = calibrate.measure(cpu, numel=200_000, log=lines.append)
+    assert all(v > 0 for v in rates.as_dict().values())
+    assert any("G elements/s" in line for line in lines) and any("GB/s" in line for line in lines)
+    calibrate.save(rates, cpu)
+    assert calibrate.calibrated_rates(cpu) == rates  # from the cache, not measured again
+
+
+def test_optimizer_exposes_its_plan_and_replans_on_schedule_change():
+    opt = DeepOptimizerStates(mlp(), subgroup_size=1500)
+    assert opt.plan.schedule == "auto" and len(opt.plan.placements) == len(opt.layout.subgroups)
+    opt.schedule = 3
+    assert opt.plan.placements == stride_places(len(opt.layout.subgroups), 3)
+    opt.schedule = "cpu"
+    assert set(opt.placements) == {Placement.CPU}
