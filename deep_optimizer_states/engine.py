@@ -9,9 +9,11 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
                [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
                [stage_out]  slot -> host master/exp_avg/exp_avg_sq, then the slot is free again
 
-The main thread enqueues all device work at once; the CPU worker takes CPU subgroups in order, so while
-it updates subgroup i the link moves the next staged subgroup in and the previous one out. On a machine
-without a GPU every lane runs in program order and the worker runs inline: the same code, synchronous.
+The main thread enqueues the staged pipeline at once (slots bound how far it runs ahead); the CPU worker
+takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones on their way down, so
+grads trickle at the CPU's pace instead of crowding the link and host memory at the start. While the CPU
+updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs in program
+order and the worker runs inline: the same code, synchronous.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .layout import Subgroup
 from .schedule import Placement
 
 FP32 = torch.float32
+GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
 
 
 @dataclass
@@ -87,6 +90,28 @@ def _from_fp32(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | Non
     dst.copy_(work)
 
 
+class _GradFeed:
+    """Sends CPU subgroups' gradients down (up-cast on the GPU), GRAD_LOOKAHEAD ahead of the CPU."""
+
+    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers) -> None:
+        self.lane, self.jobs, self.scratch, self.multipliers = lane, jobs, scratch, multipliers
+        self.events: list = []
+        for _ in range(GRAD_LOOKAHEAD):
+            self._send()
+
+    def _send(self) -> None:
+        if len(self.events) < len(self.jobs):
+            sg = self.jobs[len(self.events)].subgroup
+            with self.lane.run():
+                _to_fp32(sg.grad32, sg.grad, self.scratch, self.multipliers)
+            self.events.append(self.lane.record())
+
+    def landed(self, i: int):
+        """The event of subgroup i's gradient landing on the host; sends the next one on its way."""
+        self._send()
+        return self.events[i]
+
+
 class Engine:
     """Runs updates for one device; holds its lanes and its CPU worker, nothing between steps."""
 
@@ -108,15 +133,10 @@ class Engine:
         for lane in self.lanes.values():
             lane.wait(ready)
         jobs, slots, down, up = self._buffers(jobs, max_slots)
-        pending: list[Future] = []
-        staged = 0
-        for job in jobs:
-            if job.placement is Placement.STAGED:
-                self._update_staged(job, slots[staged % len(slots)], multipliers)
-                staged += 1
-            else:
-                landed = self._grad_down(job.subgroup, down, multipliers)
-                pending.append(self._on_cpu(self._update_on_cpu, job, landed, up))
+        feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers)
+        pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up) for i, job in enumerate(feed.jobs)]
+        for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
+            self._update_staged(job, slots[n % len(slots)], multipliers)
         for f in pending:
             f.result()
         for lane in self.lanes.values():
@@ -149,14 +169,9 @@ class Engine:
         done.set_result(fn(*args))
         return done
 
-    def _grad_down(self, sg: Subgroup, scratch, multipliers):
-        with self.grads_down.run():
-            _to_fp32(sg.grad32, sg.grad, scratch, multipliers)
-        return self.grads_down.record()
-
-    def _update_on_cpu(self, job: Job, landed, scratch) -> None:
+    def _update_on_cpu(self, job: Job, index: int, feed: "_GradFeed", scratch) -> None:
         sg = job.subgroup
-        landed.synchronize()
+        feed.landed(index).synchronize()
         t0 = time.perf_counter()
         adam_update(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq, job.steps_done, job.hyper)
         self._cpu_adam_seconds += time.perf_counter() - t0
