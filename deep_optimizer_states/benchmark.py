@@ -18,7 +18,7 @@ from .calibrate import calibrated_rates
 from .layout import HOST_BYTES_PER_ELEMENT
 from .models import llama
 from .optimizer import DeepOptimizerStates
-from .perfmodel import lower_bound, predict
+from .perfmodel import Rates, lower_bound, predict
 from .schedule import Placement, Schedule
 
 
@@ -51,6 +51,23 @@ def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 
                  out: str | None = None) -> list[dict]:
     """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    opt, header = _setup(preset, subgroup_size, dev)
+    rows = []
+    for schedule in schedules:
+        row = {**header, **_measure(opt, schedule, warmup, iters, header["rates"])}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if row["max_rel_err_vs_torch"] is not None and row["max_rel_err_vs_torch"] > 1e-6:
+            raise AssertionError(f"schedule {schedule}: differs from torch's fused AdamW by "
+                                 f"{row['max_rel_err_vs_torch']:.2e}")
+    if out:
+        with open(out, "a") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    return rows
+
+
+def _setup(preset: str, subgroup_size: int, dev: torch.device) -> tuple[DeepOptimizerStates, dict]:
+    """Calibrate, build the model and the optimizer (timed), and run one real backward."""
     t0 = time.perf_counter()
     rates = calibrated_rates(dev, force=True, log=print)
     calibrate_s = time.perf_counter() - t0
@@ -62,59 +79,56 @@ def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 
     opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, subgroup_size=subgroup_size, schedule="cpu")
     _sync(dev)
     startup_s = time.perf_counter() - t0
-    numel = sum(p.numel() for p in model.parameters())
-    sizes = [sg.numel for sg in opt.layout.subgroups]
-    bound_s, bound_f = lower_bound(numel, rates)
     ids = torch.randint(0, model.config.vocab_size, (1, 128), device=dev)
     model(input_ids=ids, labels=ids).loss.backward()  # one real backward: the grads land in our buffers
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.ndim > 1)
+    numel = sum(p.numel() for p in model.parameters())
+    bound_s, bound_f = lower_bound(numel, rates)
     header = {"model": preset, "params": numel, "subgroups": len(opt.layout.subgroups), "device": str(dev),
-              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none",
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "calibrate_s": round(calibrate_s, 2),
-              "rates": rates.as_dict(), "lower_bound_s": round(bound_s, 4), "lower_bound_staged_fraction": bound_f,
-              "model_build_s": round(model_s, 2),
-              "startup_s": round(startup_s, 2), "pinned_host_GB": round(opt.layout.numel * HOST_BYTES_PER_ELEMENT / 1e9, 2),
-              "pinned": bool(opt.layout.buckets[0].master.is_pinned()) if dev.type == "cuda" else False}
+              "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "none", "torch": torch.__version__,
+              "threads": torch.get_num_threads(), "calibrate_s": round(calibrate_s, 2), "rates": rates.as_dict(),
+              "lower_bound_s": round(bound_s, 4), "lower_bound_staged_fraction": bound_f,
+              "model_build_s": round(model_s, 2), "startup_s": round(startup_s, 2),
+              "pinned_host_GB": round(opt.layout.numel * HOST_BYTES_PER_ELEMENT / 1e9, 2),
+              "pinned": dev.type == "cuda" and opt.layout.buckets[0].master.is_pinned()}
     print(json.dumps(header), flush=True)
-    rows = []
-    for schedule in schedules:
-        opt.schedule = schedule
-        times, stats, errors = [], [], []
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        for it in range(warmup + iters):
-            _fresh_grads(opt)
-            probes = _probes(opt) if it == warmup else []
-            expected = {i: _expected(opt, i, dev) for i in probes}
-            _sync(dev)
-            t0 = time.perf_counter()
-            opt.step()
-            _sync(dev)
-            if it >= warmup:
-                times.append(time.perf_counter() - t0)
-                stats.append(opt.last_update)
-            for i, want in expected.items():
-                got = opt.layout.subgroups[i].master.to(dev)
-                errors.append(((got - want).norm() / want.norm()).item())
-        mid = statistics.median(times)
-        pred = predict(sizes, opt.placements, rates, max(opt.plan.slots, 1))
-        row = {**header, "schedule": schedule, "staged": stats[0].staged_subgroups,
-               "update_s": round(mid, 4), "predicted_s": round(pred.seconds, 4),
-               "prediction_error": round(pred.seconds / mid - 1, 4), "bottleneck": pred.bottleneck, "min_s": round(min(times), 4), "Gparams_per_s": round(numel / mid / 1e9, 3),
-               "cpu_adam_s": round(statistics.median(s.cpu_adam_seconds for s in stats), 4),
-               "h2d_GB": round(stats[0].h2d_bytes / 1e9, 2), "d2h_GB": round(stats[0].d2h_bytes / 1e9, 2),
-               "peak_gpu_GB": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else 0.0,
-               "lanes_s": {k: round(statistics.median(s.lane_seconds[k] for s in stats), 4) for k in stats[0].lane_seconds},
-               "max_rel_err_vs_torch": max(errors) if errors else None, "times": [round(t, 4) for t in times]}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        if errors and max(errors) > 1e-6:
-            raise AssertionError(f"schedule {schedule}: result differs from torch's fused AdamW by {max(errors):.2e}")
-    if out:
-        with open(out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    return rows
+    return opt, header
+
+
+def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: int, rates: dict) -> dict:
+    """Median update time of one schedule on fresh gradients, its prediction, and the check against torch."""
+    dev = opt.device
+    opt.schedule = schedule
+    times, stats, errors = [], [], []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    for it in range(warmup + iters):
+        _fresh_grads(opt)
+        expected = {i: _expected(opt, i, dev) for i in (_probes(opt) if it == warmup else [])}
+        _sync(dev)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(dev)
+        if it >= warmup:
+            times.append(time.perf_counter() - t0)
+            stats.append(opt.last_update)
+        for i, want in expected.items():
+            got = opt.layout.subgroups[i].master.to(dev)
+            errors.append(((got - want).norm() / want.norm()).item())
+    mid = statistics.median(times)
+    sizes = [sg.numel for sg in opt.layout.subgroups]
+    pred = predict(sizes, opt.placements, Rates(**rates), max(opt.plan.slots, 1))
+    numel = sum(sizes)
+    return {"schedule": schedule, "staged": stats[0].staged_subgroups, "update_s": round(mid, 4),
+            "predicted_s": round(pred.seconds, 4), "prediction_error": round(pred.seconds / mid - 1, 4),
+            "bottleneck": pred.bottleneck, "min_s": round(min(times), 4),
+            "Gparams_per_s": round(numel / mid / 1e9, 3),
+            "cpu_adam_s": round(statistics.median(s.cpu_adam_seconds for s in stats), 4),
+            "h2d_GB": round(stats[0].h2d_bytes / 1e9, 2), "d2h_GB": round(stats[0].d2h_bytes / 1e9, 2),
+            "peak_gpu_GB": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else 0.0,
+            "lanes_s": {k: round(statistics.median(s.lane_seconds[k] for s in stats), 4)
+                        for k in stats[0].lane_seconds},
+            "max_rel_err_vs_torch": max(errors) if errors else None, "times": [round(t, 4) for t in times]}
 
 
 def table(rows: list[dict]) -> str:

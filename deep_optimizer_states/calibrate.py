@@ -20,11 +20,14 @@ from typing import Callable
 import torch
 
 from .adam import AdamHyper, adam_update
+from .engine import Engine, Job
 from .host_memory import host_empty
 from .lanes import Lane
-from .perfmodel import Rates
+from .layout import Layout
+from .perfmodel import STAGED_BYTES, Rates, predict
+from .schedule import Placement, placements, spread
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 _HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
 
@@ -78,8 +81,8 @@ def calibrated_rates(device: torch.device, force: bool = False, log: Callable[[s
     return rates
 
 
-def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: float = 0.15) -> float:
-    """work/s of ``fn``: the median of timed batches after one warm-up call."""
+def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: float = 0.3) -> float:
+    """work/s of ``fn`` (synchronised after each call): the median of three timed batches after a warm-up."""
     fn()
     sync()
     runs = []
@@ -87,13 +90,14 @@ def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: 
         calls, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < min_s / 3:
             fn()
+            sync()
             calls += 1
-        sync()
         runs.append(calls * work / (time.perf_counter() - t0))
     return statistics.median(runs)
 
 
-def measure(device: torch.device, numel: int | None = None, log: Callable[[str], None] | None = None) -> Rates:
+def measure(device: torch.device, numel: int | None = None, subgroups: int = 8,
+            log: Callable[[str], None] | None = None) -> Rates:
     """Measure every rate of ``Rates`` on ``device`` (a GPU; on the CPU the link is a host memory copy)."""
     log = log or (lambda s: None)
     cuda = device.type == "cuda"
@@ -105,27 +109,57 @@ def measure(device: torch.device, numel: int | None = None, log: Callable[[str],
     start = time.perf_counter()
     p, g, m, v = (torch.randn(n) * s for s in (1.0, 1e-3, 1e-3, 1e-6))
     v.abs_()
-    cpu_adam = _rate(lambda: adam_update(p, g, m, v, 1, _HYPER), n, sync)
+    raw = {"cpu_adam": _rate(lambda: adam_update(p, g, m, v, 1, _HYPER), n, sync)}
     dp, dg, dm, dv = (t.to(device) for t in (p, g, m, v))
-    gpu_adam = _rate(lambda: adam_update(dp, dg, dm, dv, 1, _HYPER), n, sync)
+    raw["gpu_adam"] = _rate(lambda: adam_update(dp, dg, dm, dv, 1, _HYPER), n, sync)
     link = _Link(device, 3 * n)
-    nbytes = 12 * n
-    h2d = _rate(link.up, nbytes, sync)
-    d2h = _rate(link.down, nbytes, sync)
-    bidir = _rate(link.both, nbytes, sync)
-    cpu_c, bidir_c = (cpu_adam, bidir) if not cuda else \
-        _contended(link, nbytes, lambda: adam_update(p, g, m, v, 1, _HYPER), n)
+    raw["h2d"] = _rate(link.up, 12 * n, sync)
+    raw["d2h"] = _rate(link.down, 12 * n, sync)
+    raw["bidir"] = _rate(link.both, 12 * n, sync)
+    del link
     half = torch.randn(n, device=device).to(torch.bfloat16)
-    upcast = _rate(lambda: dp.copy_(half), n, sync)
+    raw["gpu_upcast"] = _rate(lambda: dp.copy_(half), n, sync)
     host_half = torch.empty(n, dtype=torch.bfloat16)
-    downcast = _rate(lambda: host_half.copy_(p), n, sync)
-    per_subgroup = _per_subgroup_cost(device)
-    rates = Rates(cpu_adam, cpu_c, gpu_adam, h2d, d2h, bidir, bidir_c, upcast, downcast, per_subgroup)
+    raw["cpu_downcast"] = _rate(lambda: host_half.copy_(p), n, sync)
+    raw["per_subgroup_s"] = _per_subgroup_cost(device)
+    rates = _engine_rates(device, n, subgroups, raw)
     log(f"calibrated in {time.perf_counter() - start:.1f} s ({torch.get_num_threads()} CPU threads, "
-        f"subgroups of {n / 1e6:.0f}M elements):")
+        f"{subgroups} subgroups of {n / 1e6:g}M elements):")
     for line in describe(rates):
         log("  " + line)
     return rates
+
+
+def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
+    """Run the engine on a synthetic layout: all on the CPU, all staged, and half and half (contended)."""
+    params = [torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16)) for _ in range(count)]
+    layout = Layout([{"params": params}], n, device)
+    for b in layout.buckets:
+        b.grad_flat.normal_(0.0, 1e-3)
+    engine = Engine(device)
+    sizes = [sg.numel for sg in layout.subgroups]
+    unknown = dict.fromkeys(("cpu_engine", "cpu_contended", "staged_link", "staged_link_contended"), 1.0)
+    fill_only = Rates(**raw, **unknown)  # enough to price the fill and drain of a run
+
+    def run(places: list[Placement]) -> tuple[float, float, float]:
+        """Median (wall seconds, CPU AdamW seconds, staged lane seconds) of three updates after a warm-up."""
+        jobs = [Job(sg, place, _HYPER, 1) for sg, place in zip(layout.subgroups, places)]
+        engine.update(jobs)
+        stats = [engine.update(jobs) for _ in range(3)]
+        lanes = [max(s.lane_seconds["stage_in"], s.lane_seconds["stage_out"]) for s in stats]
+        return (statistics.median(s.seconds for s in stats), statistics.median(s.cpu_adam_seconds for s in stats),
+                statistics.median(lanes))
+
+    def without_fill(places: list[Placement]) -> float:
+        return max(run(places)[0] - predict(sizes, places, fill_only).fill_drain_s, 1e-9)
+
+    cpu_engine = sum(sizes) / without_fill(placements("cpu", count))
+    staged_link = STAGED_BYTES * sum(sizes) / without_fill(placements("gpu", count))
+    mix = spread(count, count // 2)
+    _, cpu_s, lane_s = run(mix)
+    on_cpu = sum(n for n, p in zip(sizes, mix) if p is Placement.CPU)
+    return Rates(**raw, cpu_engine=cpu_engine, cpu_contended=on_cpu / cpu_s, staged_link=staged_link,
+                 staged_link_contended=STAGED_BYTES * (sum(sizes) - on_cpu) / lane_s)
 
 
 class _Link:
@@ -147,31 +181,9 @@ class _Link:
         with self.lanes[1].run():
             self.dst.copy_(self.dev_out, non_blocking=True)
 
-    def both(self, reps: int = 1) -> list:
-        """Enqueue ``reps`` copies each way at once; returns the events of their completion."""
-        for _ in range(reps):
-            self.up()
-            self.down()
-        return [lane.record(timing=True) for lane in self.lanes]
-
-
-def _contended(link: _Link, nbytes: int, cpu_step: Callable[[], None], n: int) -> tuple[float, float]:
-    """CPU AdamW and both-way link rates while both run at once (they share host memory bandwidth)."""
-    torch.cuda.synchronize()
-    reps = 24
-    starts = [torch.cuda.Event(enable_timing=True) for _ in link.lanes]
-    for lane, event in zip(link.lanes, starts):
-        event.record(lane.stream)
-    t0 = time.perf_counter()
-    ends = link.both(reps)
-    calls = 0
-    while not all(e.query() for e in ends):
-        cpu_step()
-        calls += 1
-    cpu_s = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    link_s = max(s.elapsed_time(e) for s, e in zip(starts, ends)) / 1e3
-    return calls * n / cpu_s, reps * nbytes / link_s
+    def both(self) -> None:
+        self.up()
+        self.down()
 
 
 def _per_subgroup_cost(device: torch.device) -> float:
@@ -189,13 +201,15 @@ def _per_subgroup_cost(device: torch.device) -> float:
 
 def describe(r: Rates) -> list[str]:
     """Each rate with its unit."""
-    return [f"CPU fused AdamW           {r.cpu_adam / 1e9:7.2f} G elements/s",
-            f"CPU fused AdamW, link busy {r.cpu_adam_contended / 1e9:6.2f} G elements/s",
-            f"GPU fused AdamW           {r.gpu_adam / 1e9:7.2f} G elements/s",
-            f"host->GPU pinned          {r.h2d / 1e9:7.2f} GB/s",
-            f"GPU->host pinned          {r.d2h / 1e9:7.2f} GB/s",
-            f"both directions at once   {r.bidir / 1e9:7.2f} GB/s each way",
-            f"both ways, CPU AdamW busy {r.bidir_contended / 1e9:7.2f} GB/s each way",
-            f"GPU bf16->fp32 up-cast    {r.gpu_upcast / 1e9:7.2f} G elements/s",
-            f"CPU fp32->bf16 down-cast  {r.cpu_downcast / 1e9:7.2f} G elements/s",
-            f"fixed cost per subgroup   {r.per_subgroup_s * 1e6:7.1f} us"]
+    return [f"CPU fused AdamW kernel         {r.cpu_adam / 1e9:7.2f} G elements/s",
+            f"  in the engine, CPU path only {r.cpu_engine / 1e9:7.2f} G elements/s",
+            f"  in the engine, link busy     {r.cpu_contended / 1e9:7.2f} G elements/s",
+            f"GPU fused AdamW kernel         {r.gpu_adam / 1e9:7.2f} G elements/s",
+            f"host->GPU pinned copy          {r.h2d / 1e9:7.2f} GB/s",
+            f"GPU->host pinned copy          {r.d2h / 1e9:7.2f} GB/s",
+            f"both directions at once        {r.bidir / 1e9:7.2f} GB/s each way",
+            f"staged subgroups in the engine {r.staged_link / 1e9:7.2f} GB/s each way",
+            f"  while the CPU runs AdamW     {r.staged_link_contended / 1e9:7.2f} GB/s each way",
+            f"GPU bf16->fp32 up-cast         {r.gpu_upcast / 1e9:7.2f} G elements/s",
+            f"CPU fp32->bf16 down-cast       {r.cpu_downcast / 1e9:7.2f} G elements/s",
+            f"fixed cost per CPU subgroup    {r.per_subgroup_s * 1e6:7.1f} us"]

@@ -61,7 +61,8 @@ class Planner:
 
     def refresh(self) -> Plan:
         """The current plan, planned again if "auto" and the staging memory that fits has changed."""
-        if self.current.schedule == "auto" and self.device.type == "cuda" and self.slots_that_fit() != self.current.slots:
+        auto_on_gpu = self.current.schedule == "auto" and self.device.type == "cuda"
+        if auto_on_gpu and self.slots_that_fit() != self.current.slots:
             return self.plan("auto")
         return self.current
 

@@ -13,10 +13,12 @@ from deep_optimizer_states.perfmodel import (Rates, best_stride, choose, lower_b
 from deep_optimizer_states.schedule import spread
 from tests.harness import mlp
 
-H200_LIKE = Rates(cpu_adam=4.2e9, cpu_adam_contended=3.0e9, gpu_adam=120e9, h2d=49e9, d2h=51e9, bidir=46e9,
-                  bidir_contended=40e9, gpu_upcast=600e9, cpu_downcast=5e9, per_subgroup_s=50e-6)
-NO_CONTENTION = Rates(cpu_adam=4e9, cpu_adam_contended=4e9, gpu_adam=100e9, h2d=50e9, d2h=50e9, bidir=50e9,
-                      bidir_contended=50e9, gpu_upcast=1e12, cpu_downcast=5e9, per_subgroup_s=0.0)
+H200_LIKE = Rates(cpu_adam=4.2e9, cpu_engine=3.8e9, cpu_contended=2.8e9, gpu_adam=120e9, h2d=55e9, d2h=55e9,
+                  bidir=50e9, staged_link=47e9, staged_link_contended=30e9, gpu_upcast=340e9, cpu_downcast=25e9,
+                  per_subgroup_s=60e-6)
+NO_CONTENTION = Rates(cpu_adam=4e9, cpu_engine=4e9, cpu_contended=4e9, gpu_adam=100e9, h2d=50e9, d2h=50e9,
+                      bidir=50e9, staged_link=40e9, staged_link_contended=40e9, gpu_upcast=1e12, cpu_downcast=5e9,
+                      per_subgroup_s=0.0)
 
 
 def equal(count, size=25_000_000):
@@ -32,8 +34,8 @@ def test_more_work_never_takes_less_time():
 def test_faster_resources_never_slow_the_update():
     sizes, places = equal(40), stride_places(40, 2)
     base = predict(sizes, places, H200_LIKE).seconds
-    faster_cpu = Rates(**{**H200_LIKE.as_dict(), "cpu_adam": 5e9, "cpu_adam_contended": 3.6e9})
-    faster_link = Rates(**{**H200_LIKE.as_dict(), "bidir": 60e9, "bidir_contended": 52e9})
+    faster_cpu = Rates(**{**H200_LIKE.as_dict(), "cpu_engine": 5e9, "cpu_contended": 3.6e9})
+    faster_link = Rates(**{**H200_LIKE.as_dict(), "staged_link": 60e9, "staged_link_contended": 52e9})
     assert predict(sizes, places, faster_cpu).seconds <= base
     assert predict(sizes, places, faster_link).seconds <= base
 
@@ -45,12 +47,12 @@ def test_the_ends_are_priced_by_their_single_resource():
     assert all_cpu.body_s == pytest.approx(n * 25e6 / 4e9)
     all_staged = predict(equal(n), stride_places(n, 1), NO_CONTENTION)
     assert all_staged.bottleneck == "link" and all_staged.cpu == 0
-    assert all_staged.body_s == pytest.approx(12 * n * 25e6 / 50e9)
+    assert all_staged.body_s == pytest.approx(12 * n * 25e6 / 40e9)
 
 
 def test_contention_slows_the_mix_and_one_slot_serialises_the_link():
     sizes, places = equal(40), stride_places(40, 2)
-    free = Rates(**{**H200_LIKE.as_dict(), "cpu_adam_contended": 4.2e9, "bidir_contended": 46e9})
+    free = Rates(**{**H200_LIKE.as_dict(), "cpu_contended": 3.8e9, "staged_link_contended": 47e9})
     assert predict(sizes, places, H200_LIKE).seconds > predict(sizes, places, free).seconds
     assert predict(sizes, stride_places(40, 1), H200_LIKE, slots=1).seconds > \
         1.9 * predict(sizes, stride_places(40, 1), H200_LIKE, slots=2).body_s
@@ -71,9 +73,15 @@ def test_the_stride_formula_is_the_special_case_of_equal_subgroups():
     k, _ = best_stride(equal(n), NO_CONTENTION)
     assert k in (math.floor(k_star), math.ceil(k_star))
     # at k*, the CPU's (k-1) subgroups take as long as one staged subgroup's transfer
-    t_cpu = 25e6 / NO_CONTENTION.cpu_adam
-    t_link = 12 * 25e6 / (NO_CONTENTION.bidir - 4 * NO_CONTENTION.cpu_adam)
+    t_cpu = 25e6 / NO_CONTENTION.cpu_contended
+    t_link = 12 * 25e6 / NO_CONTENTION.staged_link_contended
     assert (k_star - 1) * t_cpu == pytest.approx(t_link)
+    # and the model's time for stride k is the slower of the two paths, plus fill and drain
+    for k in (2, 3, 5):
+        p = predict(equal(n), stride_places(n, k), NO_CONTENTION)
+        cpu_part = n * (k - 1) / k * t_cpu
+        link_part = n / k * t_link
+        assert p.body_s == pytest.approx(max(cpu_part, link_part), rel=0.02)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -82,8 +90,10 @@ def test_choice_is_never_worse_than_brute_force_over_k(seed):
     u = torch.rand(8, generator=gen).tolist()
     cpu = 1e9 + 5e9 * u[0]
     link = 10e9 + 60e9 * u[1]
-    rates = Rates(cpu, cpu * (0.5 + 0.5 * u[2]), 50e9 + 100e9 * u[3], link, link, link * (0.8 + 0.2 * u[4]),
-                  link * (0.5 + 0.3 * u[5]), 500e9, 5e9, 1e-4 * u[6])
+    rates = Rates(cpu_adam=cpu * 1.1, cpu_engine=cpu, cpu_contended=cpu * (0.5 + 0.5 * u[2]),
+                  gpu_adam=50e9 + 100e9 * u[3], h2d=link, d2h=link, bidir=link * 0.9,
+                  staged_link=link * (0.8 + 0.2 * u[4]), staged_link_contended=link * (0.5 + 0.3 * u[5]),
+                  gpu_upcast=500e9, cpu_downcast=5e9, per_subgroup_s=1e-4 * u[6])
     count = 8 + int(60 * u[7])
     sizes = equal(count)
     brute = min((predict(sizes, stride_places(count, k), rates).seconds, k) for k in [None, *range(1, count + 1)])
@@ -133,7 +143,7 @@ def test_calibration_measures_positive_rates_and_caches_them(tmp_path, monkeypat
     monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
     cpu = torch.device("cpu")
     lines = []
-    rates = calibrate.measure(cpu, numel=200_000, log=lines.append)
+    rates = calibrate.measure(cpu, numel=100_000, subgroups=4, log=lines.append)
     assert all(v > 0 for v in rates.as_dict().values())
     assert any("G elements/s" in line for line in lines) and any("GB/s" in line for line in lines)
     calibrate.save(rates, cpu)
