@@ -9,8 +9,8 @@ engine's own telemetry. Raw kernel and copy rates are measured too, for the fill
 Per element: a CPU-placed subgroup moves 4 B down (fp32 grad) and 4 B up (fp32 master) and costs one CPU
 AdamW element; a staged one moves 12 B each way (master, exp_avg, exp_avg_sq) and one GPU AdamW element;
 a resident one costs one GPU AdamW element only. The update runs in two phases: while both the CPU and
-the staged transfers have work, both run at their contended rates; whichever finishes first leaves the
-other to run alone. Pipeline fill and drain (the first transfer before the CPU or the link can start,
+the link have work, both run at their contended rates; whichever finishes first leaves the other to run
+alone. The link's work is the staged bytes plus the CPU path's own (4 B per element each way). Pipeline fill and drain (the first transfer before the CPU or the link can start,
 the last one after) and a fixed cost per CPU subgroup are added on top.
 
 With equal subgroups and no residents this reduces to the paper's stride rule: staging one subgroup in k
@@ -40,8 +40,8 @@ class Rates:
     h2d: float  # pinned host->GPU copy, alone
     d2h: float  # pinned GPU->host copy, alone
     bidir: float  # pinned copies both directions at once, per direction
-    staged_link: float  # staged transfers in the engine, all subgroups staged, per direction
-    staged_link_contended: float  # staged transfers in the engine while the CPU runs AdamW, per direction
+    link: float  # the engine's transfers, all subgroups staged, per direction
+    link_contended: float  # the engine's transfers (staged and CPU path) while the CPU runs AdamW, per direction
     gpu_upcast: float  # GPU bf16 -> fp32 (elements/s)
     cpu_downcast: float  # CPU fp32 -> bf16 (elements/s), for reference: the engine casts on the GPU
     per_subgroup_s: float  # fixed cost of one CPU subgroup (event wait, dispatch)
@@ -88,8 +88,12 @@ def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots
     resident = sum(n for n, p in zip(sizes, places) if p is Placement.RESIDENT)
     c, s = sum(cpu_sizes), sum(staged_sizes)
     turns = 1 if slots > 1 else 2  # one slot: the way in and the way back take turns
-    cpu_body, link_body = _two_phases(c, r.cpu_contended, r.cpu_engine,
-                                      STAGED_BYTES * s, r.staged_link_contended / turns, r.staged_link / turns)
+    link_work = STAGED_BYTES * s + CPU_PATH_BYTES * c  # bytes per direction
+    if s:
+        cpu_body, link_body = _two_phases(c, r.cpu_contended, r.cpu_engine,
+                                          link_work, r.link_contended / turns, r.link / turns)
+    else:  # the CPU path alone: its rate already includes its own light traffic
+        cpu_body, link_body = c / r.cpu_engine, link_work / r.link
     gpu_s = (s + resident) / r.gpu_adam + (s + c) / r.gpu_upcast
     cpu_fill = (CPU_PATH_BYTES * (cpu_sizes[0] / r.d2h + cpu_sizes[-1] / r.h2d) + len(cpu_sizes) * r.per_subgroup_s
                 if c else 0.0)
@@ -97,9 +101,8 @@ def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots
     link_fill = STAGED_BYTES * staged_sizes[0] / r.h2d + staged_sizes[-1] / r.gpu_adam if s else 0.0
     seconds = max(cpu_body + cpu_fill, link_body + link_fill, gpu_s)
     body = max(cpu_body, link_body, gpu_s)
-    link_bytes = STAGED_BYTES * s + CPU_PATH_BYTES * c
     busy = {"cpu": cpu_body, "link": link_body, "gpu": gpu_s}
-    return Prediction(seconds, body, seconds - body, cpu_body, link_bytes / r.h2d, link_bytes / r.d2h, gpu_s,
+    return Prediction(seconds, body, seconds - body, cpu_body, link_work / r.h2d, link_work / r.d2h, gpu_s,
                       max(busy, key=busy.get), len(staged_sizes), len(cpu_sizes),
                       sum(p is Placement.RESIDENT for p in places))
 
@@ -128,9 +131,12 @@ def best_stride(sizes: Sequence[int], r: Rates, slots: int = 2) -> tuple[int | N
 
 
 def stride_formula(subgroup: int, r: Rates) -> float:
-    """k* = 1 + t_link / t_cpu for equal subgroups: one staged subgroup's transfer per (k - 1) CPU updates."""
+    """k* = 1 + t_link / t_cpu for equal subgroups: one staged subgroup's transfer per (k - 1) CPU updates.
+
+    t_link is the staged subgroup's transfer on the link left over by the CPU path's own traffic.
+    """
     t_cpu = subgroup / r.cpu_contended
-    t_link = STAGED_BYTES * subgroup / r.staged_link_contended
+    t_link = STAGED_BYTES * subgroup / (r.link_contended - CPU_PATH_BYTES * r.cpu_contended)
     return 1 + t_link / t_cpu
 
 

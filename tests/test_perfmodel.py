@@ -14,10 +14,10 @@ from deep_optimizer_states.schedule import spread
 from tests.harness import mlp
 
 H200_LIKE = Rates(cpu_adam=4.2e9, cpu_engine=3.8e9, cpu_contended=2.8e9, gpu_adam=120e9, h2d=55e9, d2h=55e9,
-                  bidir=50e9, staged_link=47e9, staged_link_contended=30e9, gpu_upcast=340e9, cpu_downcast=25e9,
+                  bidir=50e9, link=47e9, link_contended=30e9, gpu_upcast=340e9, cpu_downcast=25e9,
                   per_subgroup_s=60e-6)
 NO_CONTENTION = Rates(cpu_adam=4e9, cpu_engine=4e9, cpu_contended=4e9, gpu_adam=100e9, h2d=50e9, d2h=50e9,
-                      bidir=50e9, staged_link=40e9, staged_link_contended=40e9, gpu_upcast=1e12, cpu_downcast=5e9,
+                      bidir=50e9, link=40e9, link_contended=40e9, gpu_upcast=1e12, cpu_downcast=5e9,
                       per_subgroup_s=0.0)
 
 
@@ -35,7 +35,7 @@ def test_faster_resources_never_slow_the_update():
     sizes, places = equal(40), stride_places(40, 2)
     base = predict(sizes, places, H200_LIKE).seconds
     faster_cpu = Rates(**{**H200_LIKE.as_dict(), "cpu_engine": 5e9, "cpu_contended": 3.6e9})
-    faster_link = Rates(**{**H200_LIKE.as_dict(), "staged_link": 60e9, "staged_link_contended": 52e9})
+    faster_link = Rates(**{**H200_LIKE.as_dict(), "link": 60e9, "link_contended": 52e9})
     assert predict(sizes, places, faster_cpu).seconds <= base
     assert predict(sizes, places, faster_link).seconds <= base
 
@@ -52,7 +52,7 @@ def test_the_ends_are_priced_by_their_single_resource():
 
 def test_contention_slows_the_mix_and_one_slot_serialises_the_link():
     sizes, places = equal(40), stride_places(40, 2)
-    free = Rates(**{**H200_LIKE.as_dict(), "cpu_contended": 3.8e9, "staged_link_contended": 47e9})
+    free = Rates(**{**H200_LIKE.as_dict(), "cpu_contended": 3.8e9, "link_contended": 47e9})
     assert predict(sizes, places, H200_LIKE).seconds > predict(sizes, places, free).seconds
     assert predict(sizes, stride_places(40, 1), H200_LIKE, slots=1).seconds > \
         1.9 * predict(sizes, stride_places(40, 1), H200_LIKE, slots=2).body_s
@@ -74,14 +74,15 @@ def test_the_stride_formula_is_the_special_case_of_equal_subgroups():
     assert k in (math.floor(k_star), math.ceil(k_star))
     # at k*, the CPU's (k-1) subgroups take as long as one staged subgroup's transfer
     t_cpu = 25e6 / NO_CONTENTION.cpu_contended
-    t_link = 12 * 25e6 / NO_CONTENTION.staged_link_contended
+    t_link = 12 * 25e6 / (NO_CONTENTION.link_contended - 4 * NO_CONTENTION.cpu_contended)
     assert (k_star - 1) * t_cpu == pytest.approx(t_link)
-    # and the model's time for stride k is the slower of the two paths, plus fill and drain
+    # and the model's time for stride k is the slower of the two paths (the link also carries the CPU path's
+    # 4 bytes per element), plus fill and drain
     for k in (2, 3, 5):
         p = predict(equal(n), stride_places(n, k), NO_CONTENTION)
-        cpu_part = n * (k - 1) / k * t_cpu
-        link_part = n / k * t_link
-        assert p.body_s == pytest.approx(max(cpu_part, link_part), rel=0.02)
+        cpu_part = n * (k - 1) / k * 25e6 / NO_CONTENTION.cpu_contended
+        link_part = (n / k * 12 + n * (k - 1) / k * 4) * 25e6 / NO_CONTENTION.link_contended
+        assert p.body_s == pytest.approx(max(cpu_part, link_part), rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -92,7 +93,7 @@ def test_choice_is_never_worse_than_brute_force_over_k(seed):
     link = 10e9 + 60e9 * u[1]
     rates = Rates(cpu_adam=cpu * 1.1, cpu_engine=cpu, cpu_contended=cpu * (0.5 + 0.5 * u[2]),
                   gpu_adam=50e9 + 100e9 * u[3], h2d=link, d2h=link, bidir=link * 0.9,
-                  staged_link=link * (0.8 + 0.2 * u[4]), staged_link_contended=link * (0.5 + 0.3 * u[5]),
+                  link=link * (0.8 + 0.2 * u[4]), link_contended=link * (0.5 + 0.3 * u[5]),
                   gpu_upcast=500e9, cpu_downcast=5e9, per_subgroup_s=1e-4 * u[6])
     count = 8 + int(60 * u[7])
     sizes = equal(count)
