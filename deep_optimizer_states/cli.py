@@ -123,8 +123,8 @@ def _plan(args: argparse.Namespace) -> int:
               "staged": pred.staged, "on_cpu": pred.cpu, "staging_slots": slots,
               "placements": "".join("S" if p.value == "staged" else "c" for p in places),
               "predicted_update_s": round(seconds, 4), "Gparams_per_s": round(params / seconds / 1e9, 3),
-              "bottleneck": pred.bottleneck, "busy_s": {"cpu": round(pred.cpu_s, 4), "h2d": round(pred.h2d_s, 4),
-                                                        "d2h": round(pred.d2h_s, 4), "gpu": round(pred.gpu_s, 4)},
+              "bottleneck": pred.bottleneck,
+              "busy_s": {"cpu": round(pred.cpu_s, 4), "link": round(pred.link_s, 4), "gpu": round(pred.gpu_s, 4)},
               "lower_bound_s": round(bound, 4), "lower_bound_staged_fraction": fraction,
               "of_lower_bound": round(bound / seconds, 3)}
     if args.json:
@@ -136,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  placement   {pattern[:80]}{'...' if len(pattern) > 80 else ''}   (S staged, c CPU)")
     print(f"  predicted   {seconds:.3f} s per update, {result['Gparams_per_s']:.2f} G params/s; bottleneck: "
           f"{pred.bottleneck}")
-    print(f"  busy        CPU {pred.cpu_s:.3f} s, link {pred.h2d_s:.3f} s each way, GPU {pred.gpu_s:.3f} s")
+    print(f"  busy        CPU {pred.cpu_s:.3f} s, link {pred.link_s:.3f} s each way, GPU {pred.gpu_s:.3f} s")
     print(f"  lower bound {bound:.3f} s (everything overlapped, {fraction:.0%} staged): the plan reaches "
           f"{bound / seconds:.0%} of it")
     if device.type != "cuda":

@@ -58,8 +58,7 @@ class Prediction:
     body_s: float  # the overlapped part, without fill and drain
     fill_drain_s: float
     cpu_s: float  # CPU AdamW busy time
-    h2d_s: float  # link busy time, host -> GPU
-    d2h_s: float  # link busy time, GPU -> host
+    link_s: float  # link busy time, each direction (staged subgroups and the CPU path's grads and masters)
     gpu_s: float  # GPU AdamW and casts
     bottleneck: str
     staged: int
@@ -102,7 +101,7 @@ def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots
     seconds = max(cpu_body + cpu_fill, link_body + link_fill, gpu_s)
     body = max(cpu_body, link_body, gpu_s)
     busy = {"cpu": cpu_body, "link": link_body, "gpu": gpu_s}
-    return Prediction(seconds, body, seconds - body, cpu_body, link_work / r.h2d, link_work / r.d2h, gpu_s,
+    return Prediction(seconds, body, seconds - body, cpu_body, link_body, gpu_s,
                       max(busy, key=busy.get), len(staged_sizes), len(cpu_sizes),
                       sum(p is Placement.RESIDENT for p in places))
 
