@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 if ! $PY -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split(".")[:2]); sys.exit(v < (2, 5))' 2>/dev/null; then
   $PY -m pip install -q torch==2.13.0
 fi
-$PY -m pip install -q --no-build-isolation -e ".[test]"
+$PY -m pip install -q -e ".[test]"
