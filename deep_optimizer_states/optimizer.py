@@ -140,11 +140,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     # ---- schedule -----------------------------------------------------------------------------------
     @property
     def schedule(self) -> Schedule:
-        return self._schedule
+        return self.plan.schedule
 
     @schedule.setter
     def schedule(self, value: Schedule) -> None:
-        self._schedule = self.planner.plan(value).schedule
+        self.planner.plan(value)
 
     @property
     def plan(self) -> Plan:

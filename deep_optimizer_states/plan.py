@@ -8,6 +8,7 @@ Without a GPU, staging means nothing, so "auto" keeps half of the subgroups on e
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -52,10 +53,13 @@ class Planner:
             places = placements(schedule, len(self.sizes))
             pred = predict(self.sizes, places, self._rates, max(slots, 1)) if self._rates else None
         elif slots == 0:
-            places = placements("cpu", len(self.sizes))
-            pred = predict(self.sizes, places, self.rates)
+            places, pred = placements("cpu", len(self.sizes)), None
         else:
-            places, pred = choose(self.sizes, self.rates, slots)
+            try:
+                places, pred = choose(self.sizes, self.rates, slots)
+            except (MemoryError, torch.cuda.OutOfMemoryError) as e:  # no room to calibrate: a fixed split
+                warnings.warn(f"cannot calibrate ({e}); schedule 'auto' stages half of the subgroups")
+                places, pred = placements("auto", len(self.sizes)), None
         self.current = Plan(schedule, places, slots, pred)
         return self.current
 
