@@ -3,15 +3,16 @@
 Resources: the CPU (fused AdamW on CPU-placed subgroups), the PCIe link, the GPU. The CPU and the link
 share host memory bandwidth, so each slows the other. Calibration therefore runs the engine itself on a
 small synthetic layout and measures two regimes: each path alone (all subgroups on the CPU; all staged)
-and both at once (half staged), where it reads the CPU AdamW rate and the staged transfer rate from the
-engine's own telemetry. Raw kernel and copy rates are measured too, for the fill and drain terms.
+and both at once (5 in 8 staged, so the link is busy all the time the CPU runs), reading the CPU AdamW
+time from the engine's telemetry. Raw kernel and copy rates are measured too, for fill and drain.
 
 Per element: a CPU-placed subgroup moves 4 B down (fp32 grad) and 4 B up (fp32 master) and costs one CPU
 AdamW element; a staged one moves 12 B each way (master, exp_avg, exp_avg_sq) and one GPU AdamW element;
 a resident one costs one GPU AdamW element only. The update runs in two phases: while both the CPU and
 the link have work, both run at their contended rates; whichever finishes first leaves the other to run
-alone. The link's work is the staged bytes plus the CPU path's own (4 B per element each way). Pipeline fill and drain (the first transfer before the CPU or the link can start,
-the last one after) and a fixed cost per CPU subgroup are added on top.
+alone. The link's work is the staged bytes plus the CPU path's own (4 B per element each way). Pipeline
+fill and drain (the first transfer before the CPU or the link can start, the last one after) and a fixed
+cost per CPU subgroup are added on top.
 
 With equal subgroups and no residents this reduces to the paper's stride rule: staging one subgroup in k
 balances when (k - 1) CPU updates take as long as one staged subgroup's transfer,
