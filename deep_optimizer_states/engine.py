@@ -29,6 +29,7 @@ import torch
 from .adam import AdamHyper, adam_update
 from .lanes import Lane, current_point
 from .layout import Subgroup
+from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES
 from .schedule import Placement
 
 FP32 = torch.float32
@@ -201,8 +202,6 @@ class Engine:
     def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float]) -> UpdateStats:
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
-        staged_bytes = sum(12 * sg.numel for sg in staged)
-        grad_bytes = sum(4 * sg.numel for sg in cpu)
-        up_bytes = sum(4 * sg.numel for sg in cpu)
-        return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=staged_bytes + up_bytes,
-                           d2h_bytes=staged_bytes + grad_bytes, lane_seconds=busy)
+        link_bytes = STAGED_BYTES * sum(sg.numel for sg in staged) + CPU_PATH_BYTES * sum(sg.numel for sg in cpu)
+        return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=link_bytes,
+                           d2h_bytes=link_bytes, lane_seconds=busy)
