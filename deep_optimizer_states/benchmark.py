@@ -32,7 +32,7 @@ def _fresh_grads(opt: DeepOptimizerStates) -> None:
         b.grad_flat.normal_(0.0, 1e-3)
 
 
-def _expected(opt: DeepOptimizerStates, index: int, compute: torch.device) -> torch.Tensor:
+def expected_master(opt: DeepOptimizerStates, index: int, compute: torch.device) -> torch.Tensor:
     """What torch's fused AdamW on ``compute`` makes of subgroup ``index``'s master, from its state now."""
     sg = opt.layout.subgroups[index]
     p, g, m, v = (t.to(compute, torch.float32, copy=True) for t in (sg.master, sg.grad, sg.exp_avg, sg.exp_avg_sq))
@@ -41,7 +41,7 @@ def _expected(opt: DeepOptimizerStates, index: int, compute: torch.device) -> to
     return p
 
 
-def _probes(opt: DeepOptimizerStates) -> list[int]:
+def probe_subgroups(opt: DeepOptimizerStates) -> list[int]:
     places = opt.placements
     return [places.index(kind) for kind in (Placement.CPU, Placement.STAGED) if kind in places]
 
@@ -104,7 +104,7 @@ def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: i
         torch.cuda.reset_peak_memory_stats(dev)
     for it in range(warmup + iters):
         _fresh_grads(opt)
-        expected = {i: _expected(opt, i, dev) for i in (_probes(opt) if it == warmup else [])}
+        expected = {i: expected_master(opt, i, dev) for i in (probe_subgroups(opt) if it == warmup else [])}
         _sync(dev)
         t0 = time.perf_counter()
         opt.step()

@@ -1,0 +1,160 @@
+"""From the suite's JSON lines: the markdown table, ours against each peer, the figures, the loss check.
+
+    python -m bench.report docs/benchmarks/results.jsonl
+
+Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results.
+Exits non-zero, loudly, when our loss curve leaves the fused-AdamW reference's by more than bf16 noise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from bench.systems import OURS, REFERENCE
+
+LOSS_TOLERANCE = 0.01  # relative, per step: bf16 compute noise between bf16 params and fp32 params + autocast
+
+
+def load(path: Path) -> list[dict]:
+    """The latest row for each (model, budget, system)."""
+    latest: dict[tuple, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            latest[(row["model"], row["budget_gb"], row["system"])] = row
+    return list(latest.values())
+
+
+def _budget(b: float | None) -> str:
+    return "whole" if b is None else f"{b:g} GB"
+
+
+def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[str]:
+    """One line per run of ours whose losses leave the reference's (same model; same budget, else whole)."""
+    ok = {(r["model"], r["budget_gb"], r["system"]): r for r in rows if r.get("status") == "ok"}
+    failures = []
+    for (model, budget, system), row in ok.items():
+        if not system.startswith("ours"):
+            continue
+        ref = ok.get((model, budget, REFERENCE)) or ok.get((model, None, REFERENCE))
+        if ref is None:
+            continue
+        worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ref["losses"]))
+        row["loss_vs_reference"] = worst
+        if worst > tolerance or len(row["losses"]) != len(ref["losses"]):
+            failures.append(f"{system} on {model} ({_budget(budget)}): loss differs from {REFERENCE} by "
+                            f"{worst:.2%} (tolerance {tolerance:.0%})")
+    return failures
+
+
+def _cell(row: dict, key: str, fmt: str = "{:.3f}") -> str:
+    value = row.get(key)
+    return "-" if value is None else fmt.format(value)
+
+
+def _cells(r: dict) -> list[str]:
+    """The measured columns of one row, or why there are none."""
+    if r.get("status") != "ok":
+        reason = "does not fit" if r.get("status") == "oom" else r.get("status", "error")
+        detail = (r.get("error") or "").splitlines()[0][:80] if r.get("error") else ""
+        return [f"{reason}: {detail}".rstrip(": ")] + [""] * 10
+    pcie = r["pcie_h2d_GB"] + r["pcie_d2h_GB"] if "pcie_h2d_GB" in r else None
+    return [_cell(r, "fwd_s"), _cell(r, "bwd_s"), _cell(r, "step_s"), _cell(r, "iter_s"),
+            _cell(r, "update_Gparams_per_s", "{:.2f}"), _cell(r, "update_lower_bound_s"),
+            _cell(r, "peak_gpu_GB", "{:.1f}"), _cell(r, "host_peak_GB", "{:.1f}"), _cell(r, "pinned_host_GB", "{:.1f}"),
+            "-" if pcie is None else f"{pcie:.1f}", _cell(r, "loss_vs_reference", "{:.2%}")]
+
+
+def table(rows: list[dict]) -> str:
+    """One markdown table per model: every system under every budget, failures shown as such."""
+    out = []
+    for model in sorted({r["model"] for r in rows}):
+        out += [f"### {model}", "", "| system | budget | fwd s | bwd s | step s | iteration s | update G params/s "
+                "| update lower bound s | peak GPU GB | host peak GB | pinned host GB | PCIe GB/iter (in+out) "
+                "| loss vs reference |", "|" + "---|" * 13]
+        for r in sorted((r for r in rows if r["model"] == model), key=lambda r: (r["budget_gb"] or 1e9, r["system"])):
+            out.append("| " + " | ".join([r["system"], _budget(r["budget_gb"]), *_cells(r)]) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def ratios(rows: list[dict]) -> str:
+    """Ours against each peer that ran, per model and budget: peer's time / ours (above 1: ours is faster)."""
+    ok = {(r["model"], r["budget_gb"], r["system"]): r for r in rows if r.get("status") == "ok"}
+    lines = []
+    for (model, budget, system), ours in sorted(ok.items(), key=lambda kv: (kv[0][0], kv[0][1] or 1e9)):
+        if system != OURS:
+            continue
+        parts = [f"{peer}: iteration x{r['iter_s'] / ours['iter_s']:.2f}, step x{r['step_s'] / ours['step_s']:.2f}"
+                 for (m, b, peer), r in sorted(ok.items(), key=lambda kv: kv[0][2])
+                 if m == model and b == budget and peer != OURS]
+        lines.append(f"- {model}, {_budget(budget)}: " + ("; ".join(parts) or "no peer ran"))
+    return "\n".join(lines)
+
+
+def figures(rows: list[dict], folder: Path) -> list[Path]:
+    """Iteration time per system per model (whole device) and iteration time against the GPU budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    models = sorted({r["model"] for r in rows})
+    systems = sorted({r["system"] for r in rows})
+    paths = [folder / "iteration_time.png", folder / "iteration_vs_budget.png"]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / max(len(systems), 1)
+    for i, system in enumerate(systems):
+        ys = [next((r["iter_s"] for r in ok if r["model"] == m and r["budget_gb"] is None and r["system"] == system),
+                   0.0) for m in models]
+        ax.bar([x + i * width for x in range(len(models))], ys, width, label=system)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(models))], models)
+    ax.set_ylabel("iteration time, s (whole GPU; missing bar: did not run)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5 * max(len(models), 1), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for system in systems:
+            points = sorted((r["budget_gb"] or r.get("device_GB") or 141.0, r["iter_s"]) for r in ok
+                            if r["model"] == model and r["system"] == system)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=system)
+        ax.set_title(model)
+        ax.set_xlabel("GPU memory budget, GB (whole device at the right)")
+        ax.set_ylabel("iteration time, s")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(paths[1], dpi=120)
+    plt.close(fig)
+    return paths
+
+
+def write_report(results: Path, command: str) -> int:
+    rows = load(results)
+    failures = check_losses(rows)
+    first = next((r for r in rows if r.get("gpu")), {})
+    paths = figures(rows, results.parent)
+    text = ["# Benchmarks: ours against the peers", "",
+            f"Generated by `{command}` from `{results.name}`; dates of the runs: "
+            f"{', '.join(sorted({r.get('date', '?') for r in rows}))}. Machine: {first.get('gpu', '?')}, "
+            f"torch {first.get('torch', '?')}. Each system ran in its own process; times are the median "
+            "iteration after warm-up, with a device synchronize around each phase.", "",
+            "## Ours against each peer", "", ratios(rows), "", "## All results", "", table(rows), "",
+            "## Figures", "", *[f"![{p.stem}]({p.name})" for p in paths], "", "## Loss check", "",
+            "\n".join(f"- FAILED: {f}" for f in failures) or
+            f"Every run of ours stayed within {LOSS_TOLERANCE:.0%} of {REFERENCE}'s loss at every step."]
+    (results.parent / "README.md").write_text("\n".join(text) + "\n")
+    if failures:
+        print("LOSS CHECK FAILED:\n  " + "\n  ".join(failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/results.jsonl")
+    sys.exit(write_report(path, "python -m bench.report " + str(path)))

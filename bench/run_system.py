@@ -1,0 +1,127 @@
+"""Time one system training one model under one GPU memory budget; prints one ``RESULT {json}`` line.
+
+    python -m bench.run_system --system ours_auto --model 1.36b [--budget-gb 40] [--iters 5 --warmup 3]
+
+Each system runs in its own process (the suite starts one per system), so memory never leaks between them.
+Phases are timed with a device synchronize around each; the result is the median iteration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+
+from bench.systems import OURS, SYSTEMS
+from deep_optimizer_states.models import PRESETS
+
+RESULT = "RESULT "
+
+
+def budget_fraction(budget_gb: float | None, total_bytes: int) -> float | None:
+    """The fraction for torch.cuda.set_per_process_memory_fraction, or None for the whole device."""
+    if budget_gb is None:
+        return None
+    if budget_gb <= 0:
+        raise ValueError(f"a GPU memory budget must be > 0 GB, got {budget_gb}")
+    if budget_gb * 1e9 > total_bytes:
+        raise ValueError(f"budget {budget_gb} GB is more than the device's {total_bytes / 1e9:.1f} GB")
+    return budget_gb * 1e9 / total_bytes
+
+
+def batch(step: int, size: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """The same tokens for every system at every step."""
+    return torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(1000 + step)).to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device: torch.device, fn):
+    """(fn(), seconds), with the device synchronised on both sides."""
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t
+
+
+def _host_peak_gb() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024 / 1e9
+    except (OSError, StopIteration):
+        return None
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: int, micro_batch: int, seq: int,
+        device: torch.device) -> dict:
+    """Set the system up, train warmup + iters steps, and return its result row."""
+    row = {"system": system, "model": model, "budget_gb": budget_gb, "device": str(device),
+           "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
+           "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
+           "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq}
+    try:
+        if device.type == "cuda":
+            fraction = budget_fraction(budget_gb, torch.cuda.get_device_properties(device).total_memory)
+            if fraction is not None:
+                torch.cuda.set_per_process_memory_fraction(fraction, device)
+        t0 = time.perf_counter()
+        trainer = SYSTEMS[system](model, device, micro_batch)
+        _sync(device)
+        row.update(setup_s=round(time.perf_counter() - t0, 2), params=trainer.params, settings=trainer.settings)
+        vocab = PRESETS[model][2]
+        phases, losses = [], []
+        for step in range(warmup + iters):
+            ids = batch(step, micro_batch, seq, vocab, device)
+            loss, fwd = _timed(device, lambda: trainer.forward(ids))
+            _, bwd = _timed(device, lambda: trainer.backward(loss))
+            _, upd = _timed(device, trainer.step)
+            losses.append(loss.item())
+            phases.append((fwd, bwd, upd))
+        measured = sorted(phases[warmup:], key=sum)
+        fwd, bwd, step_s = measured[len(measured) // 2]
+        row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
+                   iter_s=round(fwd + bwd + step_s, 4),
+                   iter_median_s=round(statistics.median(sum(p) for p in phases[warmup:]), 4),
+                   update_Gparams_per_s=round(trainer.params / step_s / 1e9, 3), losses=losses,
+                   peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+                   if device.type == "cuda" else None, **trainer.extra())
+    except Exception as e:  # a system that cannot run is a result too
+        row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],
+                   traceback=traceback.format_exc()[-2000:])
+    row["host_peak_GB"] = _host_peak_gb()
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system", required=True, choices=sorted(SYSTEMS))
+    parser.add_argument("--model", default="1.36b")
+    parser.add_argument("--budget-gb", type=float, default=None, help="GPU memory budget (default: the device)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    row = run(args.system, args.model, args.budget_gb, args.iters, args.warmup, args.micro_batch, args.seq,
+              torch.device(args.device))
+    print(RESULT + json.dumps(row), flush=True)
+    return 0 if row["status"] in ("ok", "oom") or args.system != OURS else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

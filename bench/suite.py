@@ -1,0 +1,121 @@
+"""Run every system on every model and GPU memory budget, one process each; append results as JSON lines.
+
+    python -m bench.suite --models 1.36b,5.2b --budgets whole,40 --systems all --out docs/benchmarks/results.jsonl
+
+Rows already in --out for the same (model, budget, system) are skipped unless --again, so a long suite can
+be run in pieces (the GPU machine takes 10-minute commands). After the runs, the report is rebuilt
+(``bench.report``): the markdown table, the ratios and the figures, and the loss check of ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.run_system import RESULT
+from bench.systems import SYSTEMS
+
+NCCL_SAFE = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def parse_budgets(text: str) -> list[float | None]:
+    """'whole,40,24' -> [None, 40.0, 24.0] (None: the whole device)."""
+    budgets = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if item in ("whole", "all", "device"):
+            budgets.append(None)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise ValueError(f"budget {item!r} is not a number of GB or 'whole'") from None
+        if value <= 0:
+            raise ValueError(f"budget {value} GB must be > 0")
+        budgets.append(value)
+    return budgets
+
+
+def parse_systems(text: str) -> list[str]:
+    names = sorted(SYSTEMS) if text == "all" else [s.strip() for s in text.split(",")]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; choose from {', '.join(sorted(SYSTEMS))}")
+    return names
+
+
+def parse_result(stdout: str, stderr: str, returncode: int | None) -> dict:
+    """The row a run printed, or an error row that says what happened."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT):
+            try:
+                return json.loads(line[len(RESULT):])
+            except json.JSONDecodeError as e:
+                return {"status": "error", "error": f"unreadable result line: {e}"}
+    if returncode is None:
+        return {"status": "timeout", "error": "no result before the time limit"}
+    return {"status": "error", "error": f"exit code {returncode}, no result line; stderr: {stderr[-800:]}"}
+
+
+def done(out: Path) -> set[tuple]:
+    if not out.exists():
+        return set()
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {(r["model"], r["budget_gb"], r["system"]) for r in rows}
+
+
+def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "bench.run_system", "--system", system, "--model", model, "--iters",
+           str(args.iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
+           str(args.seq)] + (["--budget-gb", str(budget)] if budget is not None else [])
+    env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        row = parse_result(proc.stdout, proc.stderr, proc.returncode)
+    except subprocess.TimeoutExpired as e:
+        stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        row = parse_result(stdout, "", None)
+    row.update(system=system, model=model, budget_gb=budget, wall_s=round(time.perf_counter() - t0, 1),
+               date=time.strftime("%Y-%m-%d"), command=" ".join(cmd[1:]))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="1.36b")
+    parser.add_argument("--budgets", default="whole")
+    parser.add_argument("--systems", default="all")
+    parser.add_argument("--out", default="docs/benchmarks/results.jsonl")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--timeout", type=float, default=280, help="seconds per system run")
+    parser.add_argument("--again", action="store_true", help="run even if a row exists")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    finished = set() if args.again else done(out)
+    for model in args.models.split(","):
+        for budget in parse_budgets(args.budgets):
+            for system in parse_systems(args.systems):
+                if (model, budget, system) in finished:
+                    continue
+                row = run_one(system, model, budget, args)
+                with out.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"{model:6} {str(budget or 'whole'):>5} {system:24} {row['status']:8} "
+                      f"iter {row.get('iter_s', '-')} s  step {row.get('step_s', '-')} s", flush=True)
+    from bench.report import write_report
+
+    return write_report(out, " ".join(["python -m bench.suite", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

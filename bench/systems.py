@@ -1,0 +1,158 @@
+"""The systems under comparison, each set up the way its documentation recommends.
+
+Every system trains the same Llama-style model (``deep_optimizer_states.models.llama``, seed 0) with AdamW
+(lr 1e-4, weight decay 0.01) in bf16 compute. A system is a ``Trainer``: forward (returns the loss),
+backward, step (including zero_grad), and ``extra()`` with what only it can tell (PCIe bytes, pinned host
+memory). Peers' packages (DeepSpeed, torchao) are imported only when their system is asked for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states.layout import HOST_BYTES_PER_ELEMENT
+from deep_optimizer_states.models import llama
+
+LR, WEIGHT_DECAY = 1e-4, 0.01
+
+
+@dataclass
+class Trainer:
+    model: torch.nn.Module
+    forward: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor], None]
+    step: Callable[[], None]
+    params: int
+    extra: Callable[[], dict] = field(default=lambda: {})
+    settings: str = ""
+
+
+def _autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.device, settings: str) -> Trainer:
+    """fp32 params on the device, bf16 autocast: how torch AdamW and torchao's offload are used."""
+    def forward(ids):
+        with _autocast(device):
+            return model(input_ids=ids, labels=ids).loss
+
+    def step():
+        opt.step()
+        opt.zero_grad()
+
+    return Trainer(model, forward, lambda loss: loss.backward(), step, sum(p.numel() for p in model.parameters()),
+                   settings=settings)
+
+
+def ours(schedule: str) -> Callable[[str, torch.device, int], Trainer]:
+    def build(preset: str, device: torch.device, batch: int) -> Trainer:
+        model = llama(preset, torch.bfloat16, device)
+        opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule)
+
+        def step():
+            opt.step()
+            opt.zero_grad()
+
+        def extra() -> dict:
+            u = opt.last_update
+            info = {"pcie_h2d_GB": u.h2d_bytes / 1e9, "pcie_d2h_GB": u.d2h_bytes / 1e9,
+                    "pinned_host_GB": opt.layout.numel * HOST_BYTES_PER_ELEMENT / 1e9,
+                    "staged_subgroups": u.staged_subgroups, "subgroups": len(opt.layout.subgroups),
+                    "update_s": u.seconds}
+            if opt.plan.prediction is not None:
+                info["predicted_update_s"] = opt.plan.prediction.seconds
+            if device.type == "cuda":
+                from deep_optimizer_states.calibrate import calibrated_rates
+                from deep_optimizer_states.perfmodel import lower_bound
+
+                info["update_lower_bound_s"] = lower_bound(opt.layout.numel, calibrated_rates(device))[0]
+            return info
+
+        return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
+                       step, sum(p.numel() for p in model.parameters()), extra,
+                       f"DeepOptimizerStates(schedule={schedule!r}), bf16 params, fp32 masters on the host")
+    return build
+
+
+def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
+    model = llama(preset, torch.float32, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    return _plain(model, opt, device, "torch.optim.AdamW(fused=True), fp32 params on the GPU, bf16 autocast")
+
+
+def torchao_offload(preset: str, device: torch.device, batch: int) -> Trainer:
+    from torchao.optim import CPUOffloadOptimizer
+
+    model = llama(preset, torch.float32, device)
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    return _plain(model, opt, device, "torchao CPUOffloadOptimizer(AdamW, fused=True), fp32 params, bf16 autocast")
+
+
+def fsdp2_offload(preset: str, device: torch.device, batch: int) -> Trainer:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    model = llama(preset, torch.float32, "cpu")
+    for module in model.modules():  # rotary buffers must live on the GPU; params stay on the host
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    trainer = _plain(model, opt, device, "FSDP2 fully_shard per layer, CPUOffloadPolicy(pin_memory=True), "
+                     "bf16 MixedPrecisionPolicy, fused CPU AdamW")
+    trainer.forward = lambda ids: model(input_ids=ids, labels=ids).loss
+    return trainer
+
+
+def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]:
+    """ZeRO-3 with offload_optimizer to the CPU; ratio < 1 is TwinFlow (that share of states on the CPU)."""
+    def build(preset: str, device: torch.device, batch: int) -> Trainer:
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29511"), ("RANK", "0"),
+                           ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+            os.environ.setdefault(key, value)
+        import deepspeed
+
+        config = {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "bf16": {"enabled": True},
+                  "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+                  "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                        "sub_group_size": 100_000_000,
+                                        "offload_optimizer": {"device": "cpu", "pin_memory": True,
+                                                              "ratio": ratio}},
+                  "steps_per_print": 10**9, "wall_clock_breakdown": False}
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = llama(preset, torch.float32, "cpu")
+        engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        return Trainer(engine, lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, engine.step,
+                       params, settings=f"DeepSpeed ZeRO-3, offload_optimizer cpu (pin_memory, ratio {ratio}), "
+                                        "bf16, sub_group_size 1e8, overlap_comm")
+    return build
+
+
+SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
+    "ours_auto": ours("auto"),
+    "ours_cpu": ours("cpu"),
+    "ours_gpu": ours("gpu"),
+    "deepspeed_zero3_offload": deepspeed_zero3(1.0),
+    "twinflow_0.25": deepspeed_zero3(0.25),
+    "twinflow_0.5": deepspeed_zero3(0.5),
+    "twinflow_0.75": deepspeed_zero3(0.75),
+    "torchao_offload": torchao_offload,
+    "fsdp2_offload": fsdp2_offload,
+    "gpu_adamw": gpu_adamw,
+}
+OURS = "ours_auto"
+REFERENCE = "gpu_adamw"

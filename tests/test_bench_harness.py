@@ -1,0 +1,114 @@
+"""The comparison harness's own logic on the CPU: parsing, budgets, tables, the loss check, a smoke run."""
+
+import json
+
+import pytest
+import torch
+
+from bench import report, run_system, suite
+
+
+def test_budgets_are_parsed_and_checked():
+    assert suite.parse_budgets("whole, 40,24") == [None, 40.0, 24.0]
+    for bad in ("forty", "0", "-5"):
+        with pytest.raises(ValueError):
+            suite.parse_budgets(bad)
+    assert run_system.budget_fraction(None, 141e9) is None
+    assert run_system.budget_fraction(40, 140e9) == pytest.approx(40 / 140)
+    with pytest.raises(ValueError, match="more than the device"):
+        run_system.budget_fraction(200, 141e9)
+    with pytest.raises(ValueError, match="must be > 0"):
+        run_system.budget_fraction(0, 141e9)
+
+
+def test_unknown_system_is_refused():
+    with pytest.raises(ValueError, match="unknown systems"):
+        suite.parse_systems("ours_auto,zero_infinity")
+    assert "ours_auto" in suite.parse_systems("all")
+
+
+def test_result_lines_are_found_among_noise():
+    row = {"system": "x", "status": "ok", "iter_s": 1.0}
+    out = "deepspeed says hello\n" + run_system.RESULT + json.dumps(row) + "\nbye\n"
+    assert suite.parse_result(out, "", 0) == row
+    assert suite.parse_result("noise", "Traceback: boom", 1)["status"] == "error"
+    assert "boom" in suite.parse_result("noise", "Traceback: boom", 1)["error"]
+    assert suite.parse_result("", "", None)["status"] == "timeout"
+    assert suite.parse_result(run_system.RESULT + "{broken", "", 0)["status"] == "error"
+
+
+def _row(system, budget=None, status="ok", iter_s=1.0, losses=(10.0, 9.9, 9.8), model="1.36b", **extra):
+    row = {"system": system, "model": model, "budget_gb": budget, "status": status}
+    if status == "ok":
+        row.update(fwd_s=0.1, bwd_s=0.2, step_s=iter_s - 0.3, iter_s=iter_s, update_Gparams_per_s=4.0,
+                   peak_gpu_GB=10.0, host_peak_GB=30.0, losses=list(losses), **extra)
+    else:
+        row.update(error="OutOfMemoryError: CUDA out of memory")
+    return row
+
+
+def test_loss_check_accepts_bf16_noise_and_catches_divergence():
+    rows = [_row("gpu_adamw"), _row("ours_auto", losses=(10.0, 9.91, 9.79)),
+            _row("ours_cpu", losses=(10.0, 9.9, 10.4)), _row("gpu_adamw", budget=40, status="oom"),
+            _row("ours_auto", budget=40, losses=(10.0, 9.9, 9.8))]
+    failures = report.check_losses(rows)
+    assert len(failures) == 1 and "ours_cpu" in failures[0]
+    assert rows[4]["loss_vs_reference"] == 0.0  # compared with the whole-device reference
+
+
+def test_table_and_ratios_show_every_system_including_failures():
+    rows = [_row("ours_auto", iter_s=0.5, pcie_h2d_GB=10.0, pcie_d2h_GB=10.0, pinned_host_GB=21.8),
+            _row("torchao_offload", iter_s=1.0), _row("deepspeed_zero3_offload", status="oom"),
+            _row("ours_auto", budget=40, iter_s=0.6), _row("twinflow_0.5", budget=40, iter_s=1.8)]
+    text = report.table(rows)
+    assert "does not fit" in text and "| ours_auto | whole |" in text and "| 40 GB |" in text
+    assert "| 20.0 |" in text  # PCIe in + out
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len({line.count("|") for line in lines}) == 1  # every row has every column
+    r = report.ratios(rows)
+    assert "torchao_offload: iteration x2.00" in r and "twinflow_0.5: iteration x3.00" in r
+
+
+def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
+    results = tmp_path / "results.jsonl"
+    results.write_text("\n".join(json.dumps(r) for r in [_row("gpu_adamw"), _row("ours_auto", iter_s=0.5)]) + "\n")
+    assert report.write_report(results, "python -m bench.suite --test") == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "python -m bench.suite --test" in readme and "gpu_adamw: iteration x2.00" in readme
+    assert (tmp_path / "iteration_time.png").stat().st_size > 1000
+    assert (tmp_path / "iteration_vs_budget.png").stat().st_size > 1000
+    with results.open("a") as f:
+        f.write(json.dumps(_row("ours_auto", iter_s=0.5, losses=(10.0, 11.0, 12.0))) + "\n")
+    assert report.write_report(results, "again") == 1
+    assert "FAILED" in (tmp_path / "README.md").read_text()
+
+
+@pytest.mark.parametrize("system", ["ours_auto", "ours_gpu", "gpu_adamw"])
+def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
+    row = run_system.run(system, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+    assert len(row["losses"]) == 3 and row["step_s"] > 0 and row["iter_s"] >= row["step_s"]
+    if system.startswith("ours"):
+        assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
+
+
+def test_a_peer_that_is_not_installed_is_reported_not_hidden():
+    try:
+        import deepspeed  # noqa: F401
+        pytest.skip("DeepSpeed is installed here")
+    except ImportError:
+        pass
+    row = run_system.run("deepspeed_zero3_offload", "tiny", None, 1, 1, 1, 16, torch.device("cpu"))
+    assert row["status"] == "error" and "deepspeed" in row["error"]
+
+
+def test_suite_end_to_end_on_the_cpu_and_skips_what_is_done(tmp_path, capsys):
+    out = tmp_path / "results.jsonl"
+    args = ["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--iters", "2", "--warmup", "1",
+            "--micro-batch", "1", "--seq", "16", "--out", str(out)]
+    assert suite.main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["system"] for r in rows} == {"ours_auto", "gpu_adamw"} and all(r["status"] == "ok" for r in rows)
+    assert "Every run of ours stayed within" in (tmp_path / "README.md").read_text()
+    assert suite.main(args) == 0
+    assert len(out.read_text().splitlines()) == 2  # nothing run twice
