@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -135,13 +135,17 @@ class Engine:
             lane.wait(ready)
         jobs, slots, down, up = self._buffers(jobs, max_slots)
         feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers)
-        pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up) for i, job in enumerate(feed.jobs)]
-        for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
-            self._update_staged(job, slots[n % len(slots)], multipliers)
+        pending: list[Future] = []
+        try:
+            pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up) for i, job in enumerate(feed.jobs)]
+            for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
+                self._update_staged(job, slots[n % len(slots)], multipliers)
+        finally:  # even on an error: never release the slots while the worker or a stream still uses them
+            wait(pending)
+            for lane in self.lanes.values():
+                lane.synchronize()
         for f in pending:
-            f.result()
-        for lane in self.lanes.values():
-            lane.synchronize()
+            f.result()  # re-raises an error of the CPU worker
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy)
 

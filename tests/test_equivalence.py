@@ -164,3 +164,27 @@ def test_module_and_iterable_forms_are_the_same_optimizer():
             loss_of(m, g).backward()
             o.step()
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_an_error_inside_the_update_propagates_and_the_next_step_works(monkeypatch):
+    """A failing kernel (here: the third CPU AdamW call) surfaces as the step's exception; nothing hangs."""
+    import deep_optimizer_states.engine as engine
+
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    real, calls = engine.adam_update, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected failure")
+        real(*args)
+
+    monkeypatch.setattr(engine, "adam_update", flaky)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+    assert opt._steps[0] == 0  # the step did not count
+    monkeypatch.setattr(engine, "adam_update", real)
+    opt.step()
+    assert opt._steps[0] == 1
