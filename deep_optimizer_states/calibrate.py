@@ -24,10 +24,10 @@ from .engine import Engine, Job
 from .host_memory import host_empty
 from .lanes import Lane
 from .layout import Layout
-from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, predict
+from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
 from .schedule import Placement, placements, spread
 
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 _HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
 
@@ -121,7 +121,6 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
     raw["gpu_upcast"] = _rate(lambda: dp.copy_(half), n, sync)
     host_half = torch.empty(n, dtype=torch.bfloat16)
     raw["cpu_downcast"] = _rate(lambda: host_half.copy_(p), n, sync)
-    raw["per_subgroup_s"] = _per_subgroup_cost(device)
     rates = _engine_rates(device, n, subgroups, raw)
     log(f"calibrated in {time.perf_counter() - start:.1f} s ({torch.get_num_threads()} CPU threads, "
         f"{subgroups} subgroups of {n / 1e6:g}M elements):")
@@ -131,34 +130,37 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
 
 
 def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
-    """Run the engine on a synthetic layout: all on the CPU, all staged, and half and half (contended)."""
+    """Run the engine on a synthetic layout: all on the CPU, all staged, and 5 in 8 staged (contended)."""
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16)) for _ in range(count)]
     layout = Layout([{"params": params}], n, device)
     for b in layout.buckets:
         b.grad_flat.normal_(0.0, 1e-3)
     engine = Engine(device)
     sizes = [sg.numel for sg in layout.subgroups]
-    unknown = dict.fromkeys(("cpu_engine", "cpu_contended", "link", "link_contended"), 1.0)
-    fill_only = Rates(**raw, **unknown)  # enough to price the fill and drain of a run
+    unknown = dict.fromkeys(("cpu_engine", "cpu_contended", "link", "link_contended", "per_subgroup_s"), 1.0)
+    raw_only = Rates(**raw, **unknown)  # enough to price the unoverlapped first and last transfers
 
-    def run(places: list[Placement]) -> tuple[float, float]:
-        """Median (seconds without fill and drain, CPU AdamW seconds) of three updates after a warm-up."""
+    def run(places: list[Placement]) -> tuple[float, float, float]:
+        """Medians of three updates after a warm-up: wall seconds less each path's first and last
+        transfers (CPU path, staged path), and CPU AdamW seconds."""
         jobs = [Job(sg, place, _HYPER, 1) for sg, place in zip(layout.subgroups, places)]
         engine.update(jobs)
         stats = [engine.update(jobs) for _ in range(3)]
-        fill = predict(sizes, places, fill_only).fill_drain_s
-        return (max(statistics.median(s.seconds for s in stats) - fill, 1e-9),
-                statistics.median(s.cpu_adam_seconds for s in stats))
+        wall = statistics.median(s.seconds for s in stats)
+        cpu_fill, link_fill = fills(sizes, places, raw_only)
+        return wall - cpu_fill, wall - link_fill, statistics.median(s.cpu_adam_seconds for s in stats)
 
     total = sum(sizes)
-    cpu_engine = total / run(placements("cpu", count))[0]
-    link = STAGED_BYTES * total / run(placements("gpu", count))[0]
+    cpu_body, _, cpu_s = run(placements("cpu", count))
+    per_subgroup_s = max(cpu_body - cpu_s, 0.0) / count  # event waits, dispatch, hand-offs: besides AdamW
+    _, link_body, _ = run(placements("gpu", count))
     mix = spread(count, round(count * 5 / 8))  # link-bound: the CPU is contended all the time it runs
-    body, cpu_s = run(mix)
+    _, mix_body, mix_cpu_s = run(mix)
     on_cpu = sum(n for n, p in zip(sizes, mix) if p is Placement.CPU)
     link_bytes = STAGED_BYTES * (total - on_cpu) + CPU_PATH_BYTES * on_cpu
-    return Rates(**raw, cpu_engine=cpu_engine, cpu_contended=on_cpu / cpu_s, link=link,
-                 link_contended=link_bytes / body)
+    return Rates(**raw, cpu_engine=total / cpu_s, cpu_contended=on_cpu / mix_cpu_s,
+                 link=STAGED_BYTES * total / link_body, link_contended=link_bytes / mix_body,
+                 per_subgroup_s=per_subgroup_s)
 
 
 class _Link:
@@ -185,19 +187,6 @@ class _Link:
         self.down()
 
 
-def _per_subgroup_cost(device: torch.device) -> float:
-    """The fixed cost of one CPU subgroup: an event round trip and a fused AdamW call on a tiny tensor."""
-    t = [torch.zeros(1024) for _ in range(4)]
-    times = []
-    for _ in range(50):
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).record_event().synchronize()
-        adam_update(*t, 1, _HYPER)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def describe(r: Rates) -> list[str]:
     """Each rate with its unit."""
     return [f"CPU fused AdamW kernel         {r.cpu_adam / 1e9:7.2f} G elements/s",
@@ -211,4 +200,4 @@ def describe(r: Rates) -> list[str]:
             f"  while the CPU runs AdamW     {r.link_contended / 1e9:7.2f} GB/s each way",
             f"GPU bf16->fp32 up-cast         {r.gpu_upcast / 1e9:7.2f} G elements/s",
             f"CPU fp32->bf16 down-cast       {r.cpu_downcast / 1e9:7.2f} G elements/s",
-            f"fixed cost per CPU subgroup    {r.per_subgroup_s * 1e6:7.1f} us"]
+            f"fixed cost per CPU subgroup    {r.per_subgroup_s * 1e3:7.2f} ms (engine, besides AdamW)"]

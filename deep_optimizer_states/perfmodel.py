@@ -81,6 +81,16 @@ def _two_phases(work_a: float, rate_a: float, alone_a: float, work_b: float, rat
     return end_a, end_b
 
 
+def fills(sizes: Sequence[float], places: Sequence[Placement], r: Rates) -> tuple[float, float]:
+    """Transfers that nothing overlaps: the CPU path's first grad down and last master up; the staged path's
+    first way in and last GPU update (the way back starts one transfer after the way in)."""
+    cpu = [n for n, p in zip(sizes, places) if p is Placement.CPU]
+    staged = [n for n, p in zip(sizes, places) if p is Placement.STAGED]
+    cpu_fill = CPU_PATH_BYTES * (cpu[0] / r.d2h + cpu[-1] / r.h2d) if cpu else 0.0
+    link_fill = STAGED_BYTES * staged[0] / r.h2d + staged[-1] / r.gpu_adam if staged else 0.0
+    return cpu_fill, link_fill
+
+
 def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots: int = 2) -> Prediction:
     """Predicted update time for subgroups of ``sizes`` elements placed as ``places``."""
     cpu_sizes = [n for n, p in zip(sizes, places) if p is Placement.CPU]
@@ -95,10 +105,8 @@ def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots
     else:  # the CPU path alone: its rate already includes its own light traffic
         cpu_body, link_body = c / r.cpu_engine, link_work / r.link
     gpu_s = (s + resident) / r.gpu_adam + (s + c) / r.gpu_upcast
-    cpu_fill = (CPU_PATH_BYTES * (cpu_sizes[0] / r.d2h + cpu_sizes[-1] / r.h2d) + len(cpu_sizes) * r.per_subgroup_s
-                if c else 0.0)
-    # the way back starts one transfer (and one GPU update) after the way in
-    link_fill = STAGED_BYTES * staged_sizes[0] / r.h2d + staged_sizes[-1] / r.gpu_adam if s else 0.0
+    cpu_fill, link_fill = fills(sizes, places, r)
+    cpu_fill += len(cpu_sizes) * r.per_subgroup_s
     seconds = max(cpu_body + cpu_fill, link_body + link_fill, gpu_s)
     body = max(cpu_body, link_body, gpu_s)
     busy = {"cpu": cpu_body, "link": link_body, "gpu": gpu_s}
