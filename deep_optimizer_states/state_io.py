@@ -57,6 +57,9 @@ def _check(opt: "DeepOptimizerStates", sd: dict) -> list[int]:
                 group_steps.add(0)
                 continue
             for key in (*_MOMENTS, "master_param"):
+                if key in entry and not (isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point()):
+                    raise ValueError(f"param {idx} ({key}): expected a floating-point tensor, got "
+                                     f"{type(entry[key]).__name__}")
                 if key in entry and tuple(entry[key].shape) != tuple(p.shape):
                     raise ValueError(f"param {idx} ({key}): state_dict shape {tuple(entry[key].shape)} does not "
                                      f"match the param's shape {tuple(p.shape)}: was it saved for another model?")
@@ -81,7 +84,10 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
                 live = opt.state[p]
                 entry = entry or {}
                 for key in _MOMENTS:
-                    live[key].copy_(entry[key]) if key in entry else live[key].zero_()
+                    if key in entry:
+                        live[key].copy_(entry[key])
+                    else:
+                        live[key].zero_()
                 live["master"].copy_(entry.get("master_param", p.detach()))
                 p.copy_(live["master"])  # the model's params are the masters, rounded
     for gi, n in enumerate(steps):

@@ -94,6 +94,8 @@ BAD_DICTS = {
     "negative lr": lambda sd: sd["param_groups"][0].update(lr=-1.0),
     "not a state_dict": lambda sd: sd.pop("state"),
     "uneven steps": lambda sd: sd["state"][1].update(step=torch.tensor(99.0)),
+    "moment not a tensor": lambda sd: sd["state"][2].update(exp_avg_sq=[0.0] * 4),
+    "integer moment": lambda sd: sd["state"][0].update(exp_avg=torch.zeros(96, 32, dtype=torch.int32)),
 }
 
 
