@@ -140,27 +140,33 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
     unknown = dict.fromkeys(("cpu_engine", "cpu_contended", "link", "link_contended", "per_subgroup_s"), 1.0)
     raw_only = Rates(**raw, **unknown)  # enough to price the unoverlapped first and last transfers
 
-    def run(places: list[Placement]) -> tuple[float, float, float]:
+    def run(places: list[Placement]) -> tuple[float, float, float, float]:
         """Medians of three updates after a warm-up: wall seconds less each path's first and last
-        transfers (CPU path, staged path), and CPU AdamW seconds."""
+        transfers (CPU path, staged path), CPU AdamW seconds, and the staged subgroups' window."""
         jobs = [Job(sg, place, _HYPER, 1) for sg, place in zip(layout.subgroups, places)]
         engine.update(jobs)
         stats = [engine.update(jobs) for _ in range(3)]
         wall = statistics.median(s.seconds for s in stats)
         cpu_fill, link_fill = fills(sizes, places, raw_only)
-        return wall - cpu_fill, wall - link_fill, statistics.median(s.cpu_adam_seconds for s in stats)
+        return (wall - cpu_fill, wall - link_fill, statistics.median(s.cpu_adam_seconds for s in stats),
+                statistics.median(s.staged_window_s for s in stats))
+
+    def on_cpu(places: list[Placement]) -> int:
+        return sum(n for n, p in zip(sizes, places) if p is Placement.CPU)
 
     total = sum(sizes)
-    cpu_body, _, cpu_s = run(placements("cpu", count))
+    cpu_body, _, cpu_s, _ = run(placements("cpu", count))
     per_subgroup_s = max(cpu_body - cpu_s, 0.0) / count  # event waits, dispatch, hand-offs: besides AdamW
-    _, link_body, _ = run(placements("gpu", count))
-    mix = spread(count, round(count * 5 / 8))  # link-bound: the CPU is contended all the time it runs
-    _, mix_body, mix_cpu_s = run(mix)
-    on_cpu = sum(n for n, p in zip(sizes, mix) if p is Placement.CPU)
-    link_bytes = STAGED_BYTES * (total - on_cpu) + CPU_PATH_BYTES * on_cpu
-    return Rates(**raw, cpu_engine=total / cpu_s, cpu_contended=on_cpu / mix_cpu_s,
-                 link=STAGED_BYTES * total / link_body, link_contended=link_bytes / mix_body,
-                 per_subgroup_s=per_subgroup_s)
+    _, link_body, _, _ = run(placements("gpu", count))
+    # Two mixes, so that each contended rate is read while the other side is busy all along: mostly staged
+    # (the link outlasts the CPU) for the CPU's rate, mostly on the CPU (the CPU outlasts the staged
+    # transfers) for the link's rate, counting the CPU path's own bytes that moved meanwhile.
+    link_bound, cpu_bound = spread(count, round(count * 5 / 8)), spread(count, max(1, count // 5))
+    cpu_contended = on_cpu(link_bound) / run(link_bound)[2]
+    window = run(cpu_bound)[3]
+    staged_bytes = STAGED_BYTES * (total - on_cpu(cpu_bound))
+    return Rates(**raw, cpu_engine=total / cpu_s, cpu_contended=cpu_contended, link=STAGED_BYTES * total / link_body,
+                 link_contended=staged_bytes / window + CPU_PATH_BYTES * cpu_contended, per_subgroup_s=per_subgroup_s)
 
 
 class _Link:

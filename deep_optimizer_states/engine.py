@@ -57,6 +57,7 @@ class UpdateStats:
     h2d_bytes: int
     d2h_bytes: int
     lane_seconds: dict[str, float]  # busy time of each lane: grads_down, params_up, stage_in, gpu, stage_out
+    staged_window_s: float  # from the first staged subgroup's way in to the last one's way back
 
 
 class _Slot:
@@ -146,8 +147,9 @@ class Engine:
                 lane.synchronize()
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
+        window = Lane.window_seconds(self.stage_in, self.stage_out)
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
-        return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy)
+        return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
 
     def _buffers(self, jobs: list[Job], count: int):
         """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""
@@ -203,9 +205,10 @@ class Engine:
         slot.free = self.stage_out.record()
 
     @staticmethod
-    def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float]) -> UpdateStats:
+    def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float],
+               window: float) -> UpdateStats:
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
         link_bytes = STAGED_BYTES * sum(sg.numel for sg in staged) + CPU_PATH_BYTES * sum(sg.numel for sg in cpu)
         return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=link_bytes,
-                           d2h_bytes=link_bytes, lane_seconds=busy)
+                           d2h_bytes=link_bytes, lane_seconds=busy, staged_window_s=window)

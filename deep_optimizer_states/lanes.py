@@ -33,19 +33,27 @@ class Lane:
         if self.stream is None:
             t0 = time.perf_counter()
             yield
-            self._spans.append(time.perf_counter() - t0)
+            self._spans.append((t0, time.perf_counter()))
             return
         with torch.cuda.stream(self.stream):
             begin = self.record(timing=True)
             yield
             self._spans.append((begin, self.record(timing=True)))
 
+    def _elapsed(self, begin, end) -> float:
+        return end - begin if self.stream is None else begin.elapsed_time(end) / 1e3
+
     def busy_seconds(self) -> float:
         """Time this lane's work took since the last call (after the work has completed); resets."""
         spans, self._spans = self._spans, []
-        if self.stream is None:
-            return sum(spans)
-        return sum(b.elapsed_time(e) for b, e in spans) / 1e3
+        return sum(self._elapsed(b, e) for b, e in spans)
+
+    @staticmethod
+    def window_seconds(first: "Lane", last: "Lane") -> float:
+        """From the start of ``first``'s first block to the end of ``last``'s last block (0 if either is idle)."""
+        if not first._spans or not last._spans:
+            return 0.0
+        return first._elapsed(first._spans[0][0], last._spans[-1][1])
 
     def record(self, timing: bool = False):
         """An event that completes when all work enqueued on this lane so far has completed."""

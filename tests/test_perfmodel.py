@@ -158,3 +158,19 @@ def test_optimizer_exposes_its_plan_and_replans_on_schedule_change():
     assert opt.plan.placements == stride_places(len(opt.layout.subgroups), 3)
     opt.schedule = "cpu"
     assert set(opt.placements) == {Placement.CPU}
+
+
+def test_engine_telemetry_has_the_staged_window_and_lane_times():
+    from tests.harness import loss_of
+
+    model = mlp()
+    opt = DeepOptimizerStates(model, subgroup_size=1500, schedule=2)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    u = opt.last_update
+    assert 0 < u.staged_window_s <= u.seconds
+    assert set(u.lane_seconds) == {"grads_down", "params_up", "stage_in", "gpu", "stage_out"}
+    assert u.lane_seconds["stage_in"] > 0 and u.cpu_adam_seconds > 0
+    opt.schedule = "cpu"
+    opt.step()
+    assert opt.last_update.staged_window_s == 0.0 and opt.last_update.lane_seconds["stage_in"] == 0.0
