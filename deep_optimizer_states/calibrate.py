@@ -130,7 +130,7 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
 
 
 def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
-    """Run the engine on a synthetic layout: all on the CPU, all staged, and 5 in 8 staged (contended)."""
+    """Run the engine on a synthetic layout: all on the CPU, all staged, and two mixes (contended rates)."""
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16)) for _ in range(count)]
     layout = Layout([{"params": params}], n, device)
     for b in layout.buckets:
@@ -163,7 +163,7 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
     # transfers) for the link's rate, counting the CPU path's own bytes that moved meanwhile.
     link_bound, cpu_bound = spread(count, round(count * 5 / 8)), spread(count, max(1, count // 5))
     cpu_contended = on_cpu(link_bound) / run(link_bound)[2]
-    window = run(cpu_bound)[3]
+    window = max(run(cpu_bound)[3], 1e-9)
     staged_bytes = STAGED_BYTES * (total - on_cpu(cpu_bound))
     return Rates(**raw, cpu_engine=total / cpu_s, cpu_contended=cpu_contended, link=STAGED_BYTES * total / link_body,
                  link_contended=staged_bytes / window + CPU_PATH_BYTES * cpu_contended, per_subgroup_s=per_subgroup_s)
