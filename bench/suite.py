@@ -98,20 +98,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=280, help="seconds per system run")
     parser.add_argument("--again", action="store_true", help="run even if a row exists")
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="start no run after this many seconds (the rest is left for the next call)")
     args = parser.parse_args(argv)
+    start = time.perf_counter()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     finished = set() if args.again else done(out)
-    for model in args.models.split(","):
-        for budget in parse_budgets(args.budgets):
-            for system in parse_systems(args.systems):
-                if (model, budget, system) in finished:
-                    continue
-                row = run_one(system, model, budget, args)
-                with out.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(f"{model:6} {str(budget or 'whole'):>5} {system:24} {row['status']:8} "
-                      f"iter {row.get('iter_s', '-')} s  step {row.get('step_s', '-')} s", flush=True)
+    jobs = [(m, b, s) for m in args.models.split(",") for b in parse_budgets(args.budgets)
+            for s in parse_systems(args.systems) if (m, b, s) not in finished]
+    for model, budget, system in jobs:
+        if args.deadline is not None and time.perf_counter() - start > args.deadline:
+            print(f"deadline reached: {model} {budget or 'whole'} {system} and what follows left for the next call")
+            break
+        row = run_one(system, model, budget, args)
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{model:6} {str(budget or 'whole'):>5} {system:24} {row['status']:8} "
+              f"iter {row.get('iter_s', '-')} s  step {row.get('step_s', '-')} s", flush=True)
+    if not out.exists():
+        return 0
     from bench.report import write_report
 
     return write_report(out, " ".join(["python -m bench.suite", *(argv if argv is not None else sys.argv[1:])]))

@@ -133,7 +133,7 @@ def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]
                                                               "ratio": ratio}},
                   "steps_per_print": 10**9, "wall_clock_breakdown": False}
         with deepspeed.zero.Init(config_dict_or_path=config):
-            model = llama(preset, torch.float32, "cpu")
+            model = llama(preset, dtype=None, device=None)
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         return Trainer(engine, lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, engine.step,

@@ -14,9 +14,12 @@ PRESETS = {
 }
 
 
-def llama(preset: str = "tiny", dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+def llama(preset: str = "tiny", dtype: torch.dtype | None = torch.bfloat16, device: str | torch.device | None = "cpu",
           seed: int = 0) -> nn.Module:
-    """A randomly initialised LlamaForCausalLM of the named size, built directly on ``device``."""
+    """A randomly initialised LlamaForCausalLM of the named size, built directly on ``device``.
+
+    ``device=None`` and ``dtype=None`` leave placement and dtype to an enclosing context (DeepSpeed's
+    zero.Init partitions the parameters as they are created and must not see them moved afterwards)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     if preset not in PRESETS:
@@ -28,6 +31,9 @@ def llama(preset: str = "tiny", dtype: torch.dtype = torch.bfloat16, device: str
                       vocab_size=vocab, max_position_embeddings=2048)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    with torch.device(device):
+    if device is None:
         model = LlamaForCausalLM(cfg)
-    return model.to(dtype)
+    else:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    return model if dtype is None else model.to(dtype)

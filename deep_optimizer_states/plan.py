@@ -74,8 +74,19 @@ class Planner:
         """How many staging slots (up to ``max_slots``) fit in the GPU memory free right now."""
         if self.device.type != "cuda":
             return self.max_slots
-        free, _ = torch.cuda.mem_get_info(self.device)
-        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        free = gpu_bytes_free(self.device)
         biggest = max(self.sizes)
         spare = free - SCRATCH_BYTES_PER_ELEMENT * biggest
         return int(max(0, min(self.max_slots, spare // (SLOT_BYTES_PER_ELEMENT * biggest))))
+
+
+def gpu_bytes_free(device: torch.device) -> int:
+    """Bytes this process may still allocate: the device's free memory plus our cached blocks, capped by
+    torch.cuda.set_per_process_memory_fraction when one is set (how a smaller GPU is emulated)."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - allocated
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+    if get_fraction is not None:
+        free = min(free, int(get_fraction(device) * total) - allocated)
+    return max(0, free)

@@ -112,3 +112,19 @@ def test_suite_end_to_end_on_the_cpu_and_skips_what_is_done(tmp_path, capsys):
     assert "Every run of ours stayed within" in (tmp_path / "README.md").read_text()
     assert suite.main(args) == 0
     assert len(out.read_text().splitlines()) == 2  # nothing run twice
+
+
+def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch):
+    out = tmp_path / "results.jsonl"
+    started = []
+
+    def fake_run(system, model, budget, args):
+        started.append(system)
+        return {"system": system, "model": model, "budget_gb": budget, "status": "error", "error": "fake"}
+
+    monkeypatch.setattr(suite, "run_one", fake_run)
+    args = ["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--out", str(out)]
+    suite.main(args + ["--deadline", "-1"])
+    assert started == [] and not out.exists()
+    suite.main(args)
+    assert started == ["ours_auto", "gpu_adamw"] and len(out.read_text().splitlines()) == 2
