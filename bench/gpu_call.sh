@@ -3,7 +3,7 @@
 # keeping results in /tmp/bench (it survives between calls while the machine stays warm) and copying them
 # to $OUT after each step. A step that would start after DEADLINE seconds is left for the next call.
 #
-#   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS
+#   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
@@ -17,13 +17,13 @@ mkdir -p "$R"
 deadline=$1
 shift
 for step in "$@"; do
-  IFS=: read -r kind model arg <<< "$step"
+  IFS=: read -r kind model arg systems <<< "$step"
   left=$((deadline - SECONDS))
   if [ $left -le 0 ]; then echo "deadline: $step not started"; continue; fi
   case $kind in
     bench) python3 -m deep_optimizer_states bench --model "$model" ${arg:+--schedules "$arg"} \
              --out "$R/update-$model.jsonl" 2>&1 | tee -a $R/bench.log ;;
-    suite) python3 -m bench.suite --models "$model" --budgets "$arg" --systems all --warmup 2 --iters 5 \
+    suite) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 --iters 5 \
              --deadline $left --out $R/results.jsonl 2>&1 | tee -a $R/suite.log ;;
     *) echo "unknown step $step" ;;
   esac

@@ -2,7 +2,8 @@
 
     python -m bench.report docs/benchmarks/results.jsonl
 
-Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results.
+Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results, with
+the hand-written notes.md from the same folder, when there is one, ahead of the tables.
 Exits non-zero, loudly, when our loss curve leaves the fused-AdamW reference's by more than bf16 noise.
 """
 
@@ -12,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.systems import OURS, REFERENCE
+from bench.systems import OURS, REFERENCE, SYSTEMS
 
 LOSS_TOLERANCE = 0.01  # relative, per step: bf16 compute noise between bf16 params and fp32 params + autocast
 
@@ -50,11 +51,31 @@ def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[st
 
 
 def loss_drops(rows: list[dict]) -> str:
-    """How far each reference run's loss fell: the check has power only where that exceeds the tolerance."""
+    """How far each reference run's loss moved: the check has power only where that exceeds the tolerance."""
     refs = [r for r in rows if r["system"] == REFERENCE and r.get("status") == "ok"]
     return "\n".join(f"- {REFERENCE} on {r['model']} ({_budget(r['budget_gb'])}): loss {r['losses'][0]:.3f} -> "
-                     f"{r['losses'][-1]:.3f} ({(r['losses'][0] - r['losses'][-1]) / r['losses'][0]:.1%} lower)"
+                     f"{r['losses'][-1]:.3f} ({(r['losses'][-1] - r['losses'][0]) / r['losses'][0]:+.1%})"
                      for r in refs)
+
+
+def not_run(rows: list[dict]) -> list[str]:
+    """Every (model, budget, system) of the grid the results span that has no row: shown, not hidden."""
+    have = {(r["model"], r["budget_gb"], r["system"]) for r in rows}
+    budgets = sorted({r["budget_gb"] for r in rows}, key=lambda b: b or 1e9)
+    return [f"{m}, {_budget(b)}, {s}" for m in sorted({r["model"] for r in rows}) for b in budgets
+            for s in sorted(SYSTEMS) if (m, b, s) not in have]
+
+
+def notes(folder: Path) -> list[str]:
+    """The hand-written reading of the results (notes.md beside them), when there is one."""
+    path = folder / "notes.md"
+    return [path.read_text().strip(), ""] if path.exists() else []
+
+
+def settings(rows: list[dict]) -> str:
+    """The settings each system ran with, as it reported them."""
+    seen = {r["system"]: r["settings"] for r in rows if r.get("settings")}
+    return "\n".join(f"- {name}: {text}" for name, text in sorted(seen.items()))
 
 
 def _cell(row: dict, key: str, fmt: str = "{:.3f}") -> str:
@@ -130,10 +151,14 @@ def figures(rows: list[dict], folder: Path) -> list[Path]:
         for system in systems:
             points = sorted((r["budget_gb"] or r.get("device_GB") or 141.0, r["iter_s"]) for r in ok
                             if r["model"] == model and r["system"] == system)
-            if points:
-                ax.plot(*zip(*points), marker="o", label=system)
+            line = ax.plot(*zip(*points), marker="o", label=system) if points else None
+            failed = [r["budget_gb"] for r in rows if r["model"] == model and r["system"] == system
+                      and r.get("status") == "oom" and r["budget_gb"] is not None]
+            if failed:  # did not fit: an x on the axis, in the system's colour
+                ax.scatter(failed, [0.0] * len(failed), marker="x", s=60,
+                           color=line[0].get_color() if line else None, label=None if line else system)
         ax.set_title(model)
-        ax.set_xlabel("GPU memory budget, GB (whole device at the right)")
+        ax.set_xlabel("GPU memory budget, GB (whole device at the right; x: does not fit)")
         ax.set_ylabel("iteration time, s")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -152,7 +177,9 @@ def write_report(results: Path, command: str) -> int:
             f"{', '.join(sorted({r.get('date', '?') for r in rows}))}. Machine: {first.get('gpu', '?')}, "
             f"torch {first.get('torch', '?')}. Each system ran in its own process; times are the median "
             "iteration after warm-up, with a device synchronize around each phase.", "",
+            *notes(results.parent),
             "## Ours against each peer", "", ratios(rows), "", "## All results", "", table(rows), "",
+            "Not run: " + ("; ".join(not_run(rows)) or "none") + ".", "", "## Settings", "", settings(rows), "",
             "## Figures", "", *[f"![{p.stem}]({p.name})" for p in paths], "", "## Loss check", "",
             "\n".join(f"- FAILED: {f}" for f in failures) or
             f"Every run of ours stayed within {LOSS_TOLERANCE:.0%} of {REFERENCE}'s loss at every step.",

@@ -137,8 +137,9 @@ def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         return Trainer(engine, lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, engine.step,
-                       params, settings=f"DeepSpeed ZeRO-3, offload_optimizer cpu (pin_memory, ratio {ratio}), "
-                                        "bf16, sub_group_size 1e8, overlap_comm")
+                       params, settings=f"DeepSpeed ZeRO-3, offload_optimizer cpu (pin_memory, ratio {ratio}: that share "
+                                        "of the optimizer states on the CPU, the rest on the GPU), bf16, "
+                                        "sub_group_size 1e8, overlap_comm, contiguous_gradients")
     return build
 
 

@@ -128,3 +128,11 @@ def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch)
     assert started == [] and not out.exists()
     suite.main(args)
     assert started == ["ours_auto", "gpu_adamw"] and len(out.read_text().splitlines()) == 2
+
+
+def test_report_lists_the_cells_of_the_grid_that_did_not_run():
+    rows = [_row("ours_auto", settings="ours"), _row("gpu_adamw", budget=40, status="oom")]
+    missing = report.not_run(rows)
+    assert "1.36b, whole, gpu_adamw" in missing and "1.36b, 40 GB, ours_auto" in missing
+    assert "1.36b, whole, ours_auto" not in missing and "1.36b, 40 GB, gpu_adamw" not in missing
+    assert report.settings(rows) == "- ours_auto: ours"
