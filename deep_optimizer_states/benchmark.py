@@ -96,9 +96,16 @@ def _setup(preset: str, subgroup_size: int, dev: torch.device) -> tuple[DeepOpti
 
 
 def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: int, rates: dict) -> dict:
-    """Median update time of one schedule on fresh gradients, its prediction, and the check against torch."""
+    """Median update time of one schedule on fresh gradients, and the check against torch. Predicted before
+    it runs twice: from calibration alone, and from the rates the optimizer refined on the updates so far."""
     dev = opt.device
     opt.schedule = schedule
+    sizes = [sg.numel for sg in opt.layout.subgroups]
+    slots = max(opt.plan.slots, 1)
+    calibrated = predict(sizes, opt.placements, Rates(**rates), slots)
+    refined_rates = opt.planner.known_rates()  # refined by the earlier schedules' updates, not this one's
+    pred = predict(sizes, opt.placements, refined_rates, slots) if refined_rates else calibrated
+    cpu_speed = opt.planner.cpu_speed
     times, stats, errors = [], [], []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -116,11 +123,12 @@ def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: i
             got = opt.layout.subgroups[i].master.to(dev)
             errors.append(((got - want).norm() / want.norm()).item())
     mid = statistics.median(times)
-    sizes = [sg.numel for sg in opt.layout.subgroups]
-    pred = predict(sizes, opt.placements, Rates(**rates), max(opt.plan.slots, 1))
     numel = sum(sizes)
-    return {"schedule": schedule, "staged": stats[0].staged_subgroups, "update_s": round(mid, 4),
-            "predicted_s": round(pred.seconds, 4), "prediction_error": round(pred.seconds / mid - 1, 4),
+    return {"schedule": schedule, "staged": stats[-1].staged_subgroups, "staged_predicted": pred.staged,
+            "update_s": round(mid, 4), "predicted_s": round(pred.seconds, 4),
+            "prediction_error": round(pred.seconds / mid - 1, 4), "cpu_speed": round(cpu_speed, 4),
+            "predicted_calibrated_s": round(calibrated.seconds, 4),
+            "calibrated_error": round(calibrated.seconds / mid - 1, 4),
             "bottleneck": pred.bottleneck, "min_s": round(min(times), 4),
             "Gparams_per_s": round(numel / mid / 1e9, 3),
             "cpu_adam_s": round(statistics.median(s.cpu_adam_seconds for s in stats), 4),
@@ -133,13 +141,19 @@ def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: i
 
 def table(rows: list[dict]) -> str:
     """A markdown table of update-phase rows, measured beside predicted."""
-    lines = ["| schedule | staged | update s (median) | predicted s | error | G params/s | model's bottleneck "
-             "| CPU AdamW s | H2D GB | D2H GB | peak GPU GB | max rel. err vs torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| schedule | staged | update s (median) | predicted s, refined rates | error "
+             "| predicted s, calibration only "
+             "| error | G params/s | model's bottleneck | CPU AdamW s | H2D GB | D2H GB | peak GPU GB "
+             "| max rel. err vs torch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         err = f"{r['max_rel_err_vs_torch']:.1e}" if r["max_rel_err_vs_torch"] is not None else "-"
-        lines.append(f"| {r['schedule']} | {r['staged']}/{r['subgroups']} | {r['update_s']:.3f} | "
-                     f"{r['predicted_s']:.3f} | {r['prediction_error']:+.1%} | {r['Gparams_per_s']:.2f} | "
+        if "predicted_calibrated_s" in r:
+            refined = f"{r['predicted_s']:.3f} | {r['prediction_error']:+.1%}"
+            cal, cal_err = r["predicted_calibrated_s"], r["calibrated_error"]
+        else:  # runs from before the refinement: their prediction came from calibration alone
+            refined, cal, cal_err = "- | -", r["predicted_s"], r["prediction_error"]
+        lines.append(f"| {r['schedule']} | {r['staged']}/{r['subgroups']} | {r['update_s']:.3f} | {refined} | "
+                     f"{cal:.3f} | {cal_err:+.1%} | {r['Gparams_per_s']:.2f} | "
                      f"{r['bottleneck']} | {r['cpu_adam_s']:.3f} | {r['h2d_GB']} | {r['d2h_GB']} | "
                      f"{r['peak_gpu_GB']} | {err} |")
     return "\n".join(lines)

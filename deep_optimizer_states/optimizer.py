@@ -191,6 +191,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         jobs = [Job(sg, place, hyper[sg.group_index], self._steps[sg.group_index])
                 for sg, place in zip(self.layout.subgroups, plan.placements)]
         self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1))
+        self.planner.observe(self.last_update)
         for gi in range(len(self._steps)):
             self._steps[gi] += 1
             self._step_tensors[gi].fill_(self._steps[gi])

@@ -8,17 +8,25 @@ Without a GPU, staging means nothing, so "auto" keeps half of the subgroups on e
 from __future__ import annotations
 
 import logging
+import statistics
 import warnings
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from .perfmodel import Prediction, Rates, choose, predict
 from .schedule import Placement, Schedule, placements, validate_schedule
 
+if TYPE_CHECKING:
+    from .engine import UpdateStats
+
 log = logging.getLogger(__name__)
 SLOT_BYTES_PER_ELEMENT = 16  # fp32 param, grad, exp_avg, exp_avg_sq
 SCRATCH_BYTES_PER_ELEMENT = 8  # the CPU path's fp32 grad and param scratch
+REFINE_WINDOW = 9  # recent updates whose median CPU speed refines the calibrated rates
+REPLAN_CHANGE = 0.02  # "auto" plans again when that speed moved by more than this since the last plan
 
 
 @dataclass(frozen=True)
@@ -30,20 +38,57 @@ class Plan:
 
 
 class Planner:
-    """Plans for one layout (subgroup sizes) on one device; ``rates`` come from calibration when needed."""
+    """Plans for one layout (subgroup sizes) on one device. Rates come from calibration (run when first
+    needed) and are refined by the CPU AdamW speed that real updates show: calibration's short runs read
+    that speed with about 10% noise, and it is the rate the choice depends on most."""
 
     def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None) -> None:
         self.sizes, self.device, self.max_slots = sizes, device, max_slots
-        self._rates = rates
+        self._calibrated = rates
+        self._cpu_speed: deque[float] = deque(maxlen=REFINE_WINDOW)  # measured / calibrated, per update
+        self._observed = 0
+        self._planned_speed = 1.0
         self.current: Plan | None = None
 
     @property
-    def rates(self) -> Rates:
-        if self._rates is None:
+    def calibrated(self) -> Rates:
+        """The machine's calibrated rates (measured on first use, then cached per machine)."""
+        if self._calibrated is None:
             from .calibrate import calibrated_rates
 
-            self._rates = calibrated_rates(self.device, log=log.info)
-        return self._rates
+            self._calibrated = calibrated_rates(self.device, log=log.info)
+        return self._calibrated
+
+    @property
+    def cpu_speed(self) -> float:
+        """The CPU's AdamW speed in real updates over the calibrated one: median of recent updates, else 1."""
+        return statistics.median(self._cpu_speed) if self._cpu_speed else 1.0
+
+    @property
+    def rates(self) -> Rates:
+        """The calibrated rates, the CPU AdamW rates scaled by what real updates measured."""
+        base, speed = self.calibrated, self.cpu_speed
+        return replace(base, cpu_engine=base.cpu_engine * speed, cpu_contended=base.cpu_contended * speed)
+
+    def known_rates(self) -> Rates | None:
+        """``rates`` if calibration has been loaded, without calibrating; else None."""
+        return self.rates if self._calibrated is not None else None
+
+    def observe(self, stats: UpdateStats) -> None:
+        """Learn the CPU's AdamW speed from a finished update. Skips the first update (one-off costs) and
+        never calibrates for it: a fixed schedule uses the cached rates if there are any."""
+        self._observed += 1
+        if self._observed == 1 or self.device.type != "cuda" or stats.cpu_adam_seconds <= 0:
+            return
+        if self._calibrated is None:
+            from .calibrate import load_cached
+
+            self._calibrated = load_cached(self.device)
+            if self._calibrated is None:
+                return
+        plan = self.current
+        expected = predict(self.sizes, plan.placements, self._calibrated, max(plan.slots, 1)).cpu_s
+        self._cpu_speed.append(expected / stats.cpu_adam_seconds)
 
     def plan(self, schedule: Schedule) -> Plan:
         """A new plan for ``schedule``."""
@@ -51,7 +96,8 @@ class Planner:
         slots = self.slots_that_fit()
         if schedule != "auto" or self.device.type != "cuda":
             places = placements(schedule, len(self.sizes))
-            pred = predict(self.sizes, places, self._rates, max(slots, 1)) if self._rates else None
+            rates = self.known_rates()
+            pred = predict(self.sizes, places, rates, max(slots, 1)) if rates else None
         elif slots == 0:
             places, pred = placements("cpu", len(self.sizes)), None
         else:
@@ -61,12 +107,15 @@ class Planner:
                 warnings.warn(f"cannot calibrate ({e}); schedule 'auto' stages half of the subgroups")
                 places, pred = placements("auto", len(self.sizes)), None
         self.current = Plan(schedule, places, slots, pred)
+        self._planned_speed = self.cpu_speed
         return self.current
 
     def refresh(self) -> Plan:
-        """The current plan, planned again if "auto" and the staging memory that fits has changed."""
+        """The current plan, planned again if "auto" and the staging memory that fits or the CPU's measured
+        speed has changed."""
         auto_on_gpu = self.current.schedule == "auto" and self.device.type == "cuda"
-        if auto_on_gpu and self.slots_that_fit() != self.current.slots:
+        moved = abs(self.cpu_speed / self._planned_speed - 1) > REPLAN_CHANGE
+        if auto_on_gpu and (moved or self.slots_that_fit() != self.current.slots):
             return self.plan("auto")
         return self.current
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states import calibrate
 from deep_optimizer_states.perfmodel import (Rates, best_stride, choose, lower_bound, predict, stride_formula,
                                              stride_places)
+from deep_optimizer_states.plan import Planner
 from deep_optimizer_states.schedule import spread
 from tests.harness import mlp
 
@@ -174,3 +176,44 @@ def test_engine_telemetry_has_the_staged_window_and_lane_times():
     opt.schedule = "cpu"
     opt.step()
     assert opt.last_update.staged_window_s == 0.0 and opt.last_update.lane_seconds["stage_in"] == 0.0
+
+
+def _cuda_planner(monkeypatch, sizes, rates):
+    """A planner for a GPU that this CPU machine pretends to have: two staging slots always fit."""
+    planner = Planner(sizes, torch.device("cuda"), 2, rates)
+    monkeypatch.setattr(planner, "slots_that_fit", lambda: 2)
+    return planner
+
+
+def test_planner_refines_the_cpu_rate_from_real_updates_and_plans_again(monkeypatch):
+    sizes = equal(16)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    first = planner.plan("auto")
+    for _ in range(4):  # the real CPU runs AdamW 30% faster than calibration said
+        expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
+        planner.observe(SimpleNamespace(cpu_adam_seconds=expected / 1.3))
+        planner.refresh()
+    assert planner.cpu_speed == pytest.approx(1.3)
+    assert planner.rates.cpu_engine == pytest.approx(1.3 * H200_LIKE.cpu_engine)
+    assert planner.rates.cpu_contended == pytest.approx(1.3 * H200_LIKE.cpu_contended)
+    assert planner.rates.link == H200_LIKE.link
+    assert planner.current.prediction.staged < first.prediction.staged  # a faster CPU takes more subgroups
+    assert planner.current.placements == choose(sizes, planner.rates, 2)[0]
+
+
+def test_refinement_ignores_the_first_update_and_outliers_and_never_calibrates(monkeypatch):
+    sizes = equal(8)
+    planner = _cuda_planner(monkeypatch, sizes, None)
+    monkeypatch.setattr(calibrate, "calibrated_rates", lambda *a, **k: pytest.fail("calibrated for a fixed schedule"))
+    monkeypatch.setattr(calibrate, "load_cached", lambda device: None)
+    planner.plan("cpu")
+    for _ in range(3):
+        planner.observe(SimpleNamespace(cpu_adam_seconds=0.1))
+    assert planner.cpu_speed == 1.0 and planner.known_rates() is None  # no rates cached: nothing to refine
+    monkeypatch.setattr(calibrate, "load_cached", lambda device: H200_LIKE)
+    expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
+    for seconds in (expected / 0.9, expected / 0.9, expected / 0.9, expected / 5.0):  # one outlier
+        planner.observe(SimpleNamespace(cpu_adam_seconds=seconds))
+    assert planner.cpu_speed == pytest.approx(0.9)
+    planner.observe(SimpleNamespace(cpu_adam_seconds=0.0))  # an update with no CPU work teaches nothing
+    assert planner.cpu_speed == pytest.approx(0.9)

@@ -1,0 +1,70 @@
+"""Replay a recorded update-phase sweep through the optimizer's rate refinement, offline (no GPU needed).
+
+    python -m bench.replay_refinement docs/results/2026-11-29-update-5.2b-run7.jsonl
+
+Feeds each schedule's measured CPU AdamW time (its median, once per recorded update, warm-up included) to
+the optimizer's Planner in the order the sweep ran, and prints for each schedule the prediction that the
+refined rates give before that schedule's own updates are seen, beside the measurement and the prediction
+from calibration alone. It cannot replay a different choice of "auto": the placement measured is priced.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from deep_optimizer_states.perfmodel import Rates, predict
+from deep_optimizer_states.plan import Planner
+from deep_optimizer_states.schedule import placements, spread
+
+SUBGROUP = 25_000_000
+
+
+class _Recorded:
+    def __init__(self, cpu_adam_seconds: float) -> None:
+        self.cpu_adam_seconds = cpu_adam_seconds
+
+
+def replay(rows: list[dict], updates_per_schedule: int = 7) -> list[dict]:
+    """One line per schedule: measured, refined prediction (made before its run), calibration-only one."""
+    head, count = rows[0], rows[0]["subgroups"]
+    sizes = [SUBGROUP] * (count - 1) + [head["params"] - SUBGROUP * (count - 1)]
+    calibrated = Rates(**head["rates"])
+    planner = Planner(sizes, torch.device("cuda"), 2, calibrated)
+    planner.slots_that_fit = lambda: 2  # the sweep ran with two staging slots
+    out = []
+    for r in rows:
+        places = spread(count, r["staged"]) if r["schedule"] == "auto" else placements(r["schedule"], count)
+        refined = predict(sizes, places, planner.rates, 2).seconds
+        plain = predict(sizes, places, calibrated, 2).seconds
+        out.append({"schedule": r["schedule"], "staged": r["staged"], "measured_s": r["update_s"],
+                    "refined_s": round(refined, 4), "refined_error": round(refined / r["update_s"] - 1, 4),
+                    "calibrated_s": round(plain, 4), "calibrated_error": round(plain / r["update_s"] - 1, 4),
+                    "cpu_speed": round(planner.cpu_speed, 3)})
+        planner.plan(r["schedule"] if r["schedule"] != "auto" else 1)
+        planner.current = planner.current.__class__(r["schedule"], places, 2, None)
+        for _ in range(updates_per_schedule):
+            planner.observe(_Recorded(r["cpu_adam_s"]))
+    out.append({"auto_now_stages": planner.plan("auto").prediction.staged})
+    return out
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        rows = [json.loads(line) for line in open(path) if line.strip()]
+        print(f"### {path}\n\n| schedule | staged | measured s | predicted s, refined | error "
+              "| predicted s, calibration only | error | CPU speed factor before the run |\n"
+              "|---|---|---|---|---|---|---|---|")
+        *lines, last = replay(rows)
+        for x in lines:
+            print(f"| {x['schedule']} | {x['staged']} | {x['measured_s']:.3f} | {x['refined_s']:.3f} | "
+                  f"{x['refined_error']:+.1%} | {x['calibrated_s']:.3f} | {x['calibrated_error']:+.1%} | "
+                  f"{x['cpu_speed']:.3f} |")
+        print(f"\nWith the rates refined by the whole sweep, auto would now stage {last['auto_now_stages']} "
+              f"of {rows[0]['subgroups']} subgroups.\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
