@@ -16,7 +16,7 @@ import sys
 import torch
 
 from deep_optimizer_states.perfmodel import Rates, predict
-from deep_optimizer_states.plan import Planner
+from deep_optimizer_states.plan import Plan, Planner
 from deep_optimizer_states.schedule import placements, spread
 
 SUBGROUP = 25_000_000
@@ -43,8 +43,7 @@ def replay(rows: list[dict], updates_per_schedule: int = 7) -> list[dict]:
                     "refined_s": round(refined, 4), "refined_error": round(refined / r["update_s"] - 1, 4),
                     "calibrated_s": round(plain, 4), "calibrated_error": round(plain / r["update_s"] - 1, 4),
                     "cpu_speed": round(planner.cpu_speed, 3)})
-        planner.plan(r["schedule"] if r["schedule"] != "auto" else 1)
-        planner.current = planner.current.__class__(r["schedule"], places, 2, None)
+        planner.current = Plan(r["schedule"], places, 2, None)  # what ran, as the optimizer would hold it
         for _ in range(updates_per_schedule):
             planner.observe(_Recorded(r["cpu_adam_s"]))
     out.append({"auto_now_stages": planner.plan("auto").prediction.staged})

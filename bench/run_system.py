@@ -78,7 +78,8 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         if device.type == "cuda":
             fraction = budget_fraction(budget_gb, torch.cuda.get_device_properties(device).total_memory)
             if fraction is not None:
-                torch.cuda.set_per_process_memory_fraction(fraction, torch.cuda._get_device_index(device, optional=True))
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                torch.cuda.set_per_process_memory_fraction(fraction, index)
         t0 = time.perf_counter()
         trainer = SYSTEMS[system](model, device, micro_batch)
         _sync(device)

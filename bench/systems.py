@@ -136,10 +136,11 @@ def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]
             model = llama(preset, dtype=None, device=None)
         engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        settings = (f"DeepSpeed ZeRO-3, offload_optimizer cpu (pin_memory, ratio {ratio}: that share of the "
+                    "optimizer states on the CPU, the rest on the GPU), bf16, sub_group_size 1e8, overlap_comm, "
+                    "contiguous_gradients")
         return Trainer(engine, lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, engine.step,
-                       params, settings=f"DeepSpeed ZeRO-3, offload_optimizer cpu (pin_memory, ratio {ratio}: that share "
-                                        "of the optimizer states on the CPU, the rest on the GPU), bf16, "
-                                        "sub_group_size 1e8, overlap_comm, contiguous_gradients")
+                       params, settings=settings)
     return build
 
 

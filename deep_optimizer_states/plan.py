@@ -137,5 +137,6 @@ def gpu_bytes_free(device: torch.device) -> int:
     free += torch.cuda.memory_reserved(device) - allocated
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
     if get_fraction is not None:
-        free = min(free, int(get_fraction(torch.cuda._get_device_index(device, optional=True)) * total) - allocated)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        free = min(free, int(get_fraction(index) * total) - allocated)
     return max(0, free)

@@ -1,6 +1,7 @@
 """The comparison harness's own logic on the CPU: parsing, budgets, tables, the loss check, a smoke run."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,3 +138,16 @@ def test_report_lists_the_cells_of_the_grid_that_did_not_run():
     assert "1.36b, whole, gpu_adamw" in missing and "1.36b, 40 GB, ours_auto" in missing
     assert "1.36b, whole, ours_auto" not in missing and "1.36b, 40 GB, gpu_adamw" not in missing
     assert report.settings(rows) == "- ours_auto: ours"
+
+
+def test_replaying_run7_refines_every_schedule_but_the_first():
+    from bench import replay_refinement
+
+    path = Path(__file__).parent.parent / "docs/results/2026-11-29-update-5.2b-run7.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    *out, last = replay_refinement.replay(rows)
+    assert out[0]["cpu_speed"] == 1.0 and out[0]["refined_s"] == out[0]["calibrated_s"]  # nothing seen yet
+    assert all(x["cpu_speed"] > 1.1 for x in out[1:])  # the real CPU was faster than calibration said
+    cpu_bound = [x for x in out if x["schedule"] in (3, 4, 6, 8)]
+    assert all(abs(x["refined_error"]) < abs(x["calibrated_error"]) for x in cpu_bound)
+    assert 0 < last["auto_now_stages"] < rows[0]["subgroups"]
