@@ -178,7 +178,8 @@ def write_report(results: Path, command: str) -> int:
             f"torch {first.get('torch', '?')}. Each system ran in its own process; times are the median "
             "iteration after warm-up, with a device synchronize around each phase.", "",
             *notes(results.parent),
-            "## Ours against each peer", "", ratios(rows), "", "## All results", "", table(rows), "",
+            "## Ours against each peer", "", f"Each peer's time divided by {OURS}'s under the same model and "
+            "budget (above 1: ours is faster).", "", ratios(rows), "", "## All results", "", table(rows), "",
             "Not run: " + ("; ".join(not_run(rows)) or "none") + ".", "", "## Settings", "", settings(rows), "",
             "## Figures", "", *[f"![{p.stem}]({p.name})" for p in paths], "", "## Loss check", "",
             "\n".join(f"- FAILED: {f}" for f in failures) or
