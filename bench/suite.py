@@ -2,9 +2,10 @@
 
     python -m bench.suite --models 1.36b,5.2b --budgets whole,40 --systems all --out docs/benchmarks/results.jsonl
 
-Rows already in --out for the same (model, budget, system) are skipped unless --again, so a long suite can
-be run in pieces (the GPU machine takes 10-minute commands). After the runs, the report is rebuilt
-(``bench.report``): the markdown table, the ratios and the figures, and the loss check of ours.
+Cells already in --out with a result (ran, or did not fit) are skipped unless --again, so a long suite can
+be run in pieces (the GPU machine takes 10-minute commands); cells that errored or timed out run again, and
+the report keeps each cell's latest row. After the runs, the report is rebuilt (``bench.report``): the
+markdown table, the ratios and the figures, and the loss check of ours.
 """
 
 from __future__ import annotations
@@ -63,10 +64,11 @@ def parse_result(stdout: str, stderr: str, returncode: int | None) -> dict:
 
 
 def done(out: Path) -> set[tuple]:
+    """The cells with a result: ran, or did not fit. Errors and timeouts are run again on the next call."""
     if not out.exists():
         return set()
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-    return {(r["model"], r["budget_gb"], r["system"]) for r in rows}
+    return {(r["model"], r["budget_gb"], r["system"]) for r in rows if r.get("status") in ("ok", "oom")}
 
 
 def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace) -> dict:

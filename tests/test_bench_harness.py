@@ -151,3 +151,10 @@ def test_replaying_run7_refines_every_schedule_but_the_first():
     cpu_bound = [x for x in out if x["schedule"] in (3, 4, 6, 8)]
     assert all(abs(x["refined_error"]) < abs(x["calibrated_error"]) for x in cpu_bound)
     assert 0 < last["auto_now_stages"] < rows[0]["subgroups"]
+
+
+def test_suite_runs_again_what_errored_but_not_what_ran_or_did_not_fit(tmp_path):
+    out = tmp_path / "results.jsonl"
+    rows = [_row("ours_auto"), _row("gpu_adamw", status="oom"), _row("ours_cpu", status="error")]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert suite.done(out) == {("1.36b", None, "ours_auto"), ("1.36b", None, "gpu_adamw")}
