@@ -4,6 +4,7 @@
 # to $OUT after each step. A step that would start after DEADLINE seconds is left for the next call.
 #
 #   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
+#                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
@@ -23,8 +24,10 @@ for step in "$@"; do
   case $kind in
     bench) python3 -m deep_optimizer_states bench --model "$model" ${arg:+--schedules "$arg"} \
              --out "$R/update-$model.jsonl" 2>&1 | tee -a $R/bench.log ;;
-    suite) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 --iters 5 \
-             --deadline $left --out $R/results.jsonl 2>&1 | tee -a $R/suite.log ;;
+    suite|again) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
+             --iters 5 --deadline $left --out $R/results.jsonl $([ $kind = again ] && echo --again) 2>&1 \
+             | tee -a $R/suite.log ;;
+    gputest) timeout $left python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -40 > $R/gpu-tests.log; cat $R/gpu-tests.log ;;
     *) echo "unknown step $step" ;;
   esac
   cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null

@@ -2,16 +2,17 @@
 
     python -m bench.replay_refinement docs/results/2026-11-29-update-5.2b-run7.jsonl
 
-Feeds each schedule's measured CPU AdamW time (its median, once per recorded update, warm-up included) to
-the optimizer's Planner in the order the sweep ran, and prints for each schedule the prediction that the
-refined rates give before that schedule's own updates are seen, beside the measurement and the prediction
-from calibration alone. It cannot replay a different choice of "auto": the placement measured is priced.
+Feeds each schedule's measured update and CPU AdamW times (their medians, once per recorded update, warm-up
+included) to the optimizer's Planner in the order the sweep ran, and prints for each schedule the prediction
+that the refined rates give before that schedule's own updates are seen, beside the measurement and the
+prediction from calibration alone. It cannot replay a different choice of "auto": the placement measured is priced.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -22,9 +23,14 @@ from deep_optimizer_states.schedule import placements, spread
 SUBGROUP = 25_000_000
 
 
+@dataclass
 class _Recorded:
-    def __init__(self, cpu_adam_seconds: float) -> None:
-        self.cpu_adam_seconds = cpu_adam_seconds
+    """The part of an update's telemetry that the planner reads."""
+
+    seconds: float
+    cpu_adam_seconds: float
+    cpu_subgroups: int
+    staged_subgroups: int
 
 
 def replay(rows: list[dict], updates_per_schedule: int = 7) -> list[dict]:
@@ -42,10 +48,10 @@ def replay(rows: list[dict], updates_per_schedule: int = 7) -> list[dict]:
         out.append({"schedule": r["schedule"], "staged": r["staged"], "measured_s": r["update_s"],
                     "refined_s": round(refined, 4), "refined_error": round(refined / r["update_s"] - 1, 4),
                     "calibrated_s": round(plain, 4), "calibrated_error": round(plain / r["update_s"] - 1, 4),
-                    "cpu_speed": round(planner.cpu_speed, 3)})
+                    "cpu_speed": round(planner.cpu_speed, 3), "link_speed": round(planner.link_speed, 3)})
         planner.current = Plan(r["schedule"], places, 2, None)  # what ran, as the optimizer would hold it
         for _ in range(updates_per_schedule):
-            planner.observe(_Recorded(r["cpu_adam_s"]))
+            planner.observe(_Recorded(r["update_s"], r["cpu_adam_s"], count - r["staged"], r["staged"]))
     out.append({"auto_now_stages": planner.plan("auto").prediction.staged})
     return out
 
@@ -54,13 +60,13 @@ def main(paths: list[str]) -> None:
     for path in paths:
         rows = [json.loads(line) for line in open(path) if line.strip()]
         print(f"### {path}\n\n| schedule | staged | measured s | predicted s, refined | error "
-              "| predicted s, calibration only | error | CPU speed factor before the run |\n"
+              "| predicted s, calibration only | error | CPU, link speed factors before the run |\n"
               "|---|---|---|---|---|---|---|---|")
         *lines, last = replay(rows)
         for x in lines:
             print(f"| {x['schedule']} | {x['staged']} | {x['measured_s']:.3f} | {x['refined_s']:.3f} | "
                   f"{x['refined_error']:+.1%} | {x['calibrated_s']:.3f} | {x['calibrated_error']:+.1%} | "
-                  f"{x['cpu_speed']:.3f} |")
+                  f"{x['cpu_speed']:.3f}, {x['link_speed']:.3f} |")
         print(f"\nWith the rates refined by the whole sweep, auto would now stage {last['auto_now_stages']} "
               f"of {rows[0]['subgroups']} subgroups.\n")
 

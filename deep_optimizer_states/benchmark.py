@@ -48,10 +48,15 @@ def probe_subgroups(opt: DeepOptimizerStates) -> list[int]:
 
 def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 1, 2, 3, 4, 5, 6, 7, 8, "auto"),
                  subgroup_size: int = 25_000_000, warmup: int = 2, iters: int = 5, device: str | None = None,
-                 out: str | None = None) -> list[dict]:
-    """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines)."""
+                 out: str | None = None, probes: int = 3) -> list[dict]:
+    """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines).
+
+    ``probes`` untimed "auto" updates run first, as a training run's first steps would: the optimizer
+    refines its rates from them, so the first schedule is not predicted from calibration alone."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     opt, header = _setup(preset, subgroup_size, dev)
+    _probe(opt, probes)
+    header["probe_updates"] = probes
     rows = []
     for schedule in schedules:
         row = {**header, **_measure(opt, schedule, warmup, iters, header["rates"])}
@@ -95,17 +100,24 @@ def _setup(preset: str, subgroup_size: int, dev: torch.device) -> tuple[DeepOpti
     return opt, header
 
 
+def _probe(opt: DeepOptimizerStates, updates: int) -> None:
+    """Untimed "auto" updates on fresh gradients, whose telemetry the optimizer learns from."""
+    opt.schedule = "auto"
+    for _ in range(updates):
+        _fresh_grads(opt)
+        opt.step()
+    _sync(opt.device)
+
+
 def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: int, rates: dict) -> dict:
-    """Median update time of one schedule on fresh gradients, and the check against torch. Predicted before
-    it runs twice: from calibration alone, and from the rates the optimizer refined on the updates so far."""
+    """Median update time of one schedule on fresh gradients, and the check against torch. Predicted twice
+    with rates known before it ran: from calibration alone, and refined by the optimizer on the updates
+    so far (of other schedules and the probes)."""
     dev = opt.device
     opt.schedule = schedule
     sizes = [sg.numel for sg in opt.layout.subgroups]
-    slots = max(opt.plan.slots, 1)
-    calibrated = predict(sizes, opt.placements, Rates(**rates), slots)
-    refined_rates = opt.planner.known_rates()  # refined by the earlier schedules' updates, not this one's
-    pred = predict(sizes, opt.placements, refined_rates, slots) if refined_rates else calibrated
-    cpu_speed = opt.planner.cpu_speed
+    refined_rates = opt.planner.known_rates()  # refined by the earlier updates, not this schedule's own
+    cpu_speed, link_speed = opt.planner.cpu_speed, opt.planner.link_speed
     times, stats, errors = [], [], []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -124,9 +136,13 @@ def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: i
             errors.append(((got - want).norm() / want.norm()).item())
     mid = statistics.median(times)
     numel = sum(sizes)
+    slots = max(opt.plan.slots, 1)  # priced for the placement that ran ("auto" may have planned again)
+    calibrated = predict(sizes, opt.placements, Rates(**rates), slots)
+    pred = predict(sizes, opt.placements, refined_rates, slots) if refined_rates else calibrated
     return {"schedule": schedule, "staged": stats[-1].staged_subgroups, "staged_predicted": pred.staged,
             "update_s": round(mid, 4), "predicted_s": round(pred.seconds, 4),
             "prediction_error": round(pred.seconds / mid - 1, 4), "cpu_speed": round(cpu_speed, 4),
+            "link_speed": round(link_speed, 4), "staged_window_s": round(stats[-1].staged_window_s, 4),
             "predicted_calibrated_s": round(calibrated.seconds, 4),
             "calibrated_error": round(calibrated.seconds / mid - 1, 4),
             "bottleneck": pred.bottleneck, "min_s": round(min(times), 4),

@@ -64,7 +64,10 @@ def _bench(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     schedules = [_schedule(s) for s in args.schedules.split(",")]
-    rows = update_phase(args.model, schedules, args.subgroup_size, args.warmup, args.iters, out=args.out)
+    if args.probes < 0:
+        raise SystemExit(f"--probes must be 0 or more, got {args.probes}")
+    rows = update_phase(args.model, schedules, args.subgroup_size, args.warmup, args.iters, out=args.out,
+                        probes=args.probes)
     print(table(rows))
     return 0
 
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--subgroup-size", type=int, default=25_000_000)
     bench.add_argument("--warmup", type=int, default=2)
     bench.add_argument("--iters", type=int, default=5)
+    bench.add_argument("--probes", type=int, default=3,
+                       help="untimed 'auto' updates first, which the rates are refined from (default 3)")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--out", default=None, help="append JSON lines here")
     calibrate = sub.add_parser("calibrate", help="measure this machine's rates for the performance model")

@@ -151,6 +151,8 @@ def test_replaying_run7_refines_every_schedule_but_the_first():
     cpu_bound = [x for x in out if x["schedule"] in (3, 4, 6, 8)]
     assert all(abs(x["refined_error"]) < abs(x["calibrated_error"]) for x in cpu_bound)
     assert 0 < last["auto_now_stages"] < rows[0]["subgroups"]
+    assert out[-1]["link_speed"] < 1  # k=2 showed the link slower while the CPU runs than calibration said
+    assert abs(out[-1]["refined_error"]) < 0.05
 
 
 def test_suite_runs_again_what_errored_but_not_what_ran_or_did_not_fit(tmp_path):

@@ -41,8 +41,17 @@ def test_plan_under_a_small_gpu_budget_stages_nothing(capsys):
     assert plan["staging_slots"] == 0 and plan["staged"] == 0
 
 
-def test_bench_smoke_on_cpu(capsys):
+def test_bench_smoke_on_cpu(capsys, tmp_path):
+    out_file = tmp_path / "rows.jsonl"
     assert main(["bench", "--model", "tiny", "--subgroup-size", "100000", "--schedules", "cpu,2", "--iters", "2",
-                 "--warmup", "1"]) == 0
+                 "--warmup", "1", "--probes", "1", "--out", str(out_file)]) == 0
     out = capsys.readouterr().out
     assert "| cpu |" in out and "| 2 |" in out
+    rows = [json.loads(line) for line in out_file.read_text().splitlines()]
+    assert [r["schedule"] for r in rows] == ["cpu", 2] and all(r["probe_updates"] == 1 for r in rows)
+    assert all(r["max_rel_err_vs_torch"] < 1e-6 for r in rows)
+
+
+def test_bench_refuses_a_negative_probe_count():
+    with pytest.raises(SystemExit, match="--probes must be 0 or more"):
+        main(["bench", "--model", "tiny", "--probes", "-1"])

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -12,7 +13,7 @@ from deep_optimizer_states import calibrate
 from deep_optimizer_states.perfmodel import (Rates, best_stride, choose, lower_bound, predict, stride_formula,
                                              stride_places)
 from deep_optimizer_states.plan import Planner
-from deep_optimizer_states.schedule import spread
+from deep_optimizer_states.schedule import placements, spread
 from tests.harness import mlp
 
 H200_LIKE = Rates(cpu_adam=4.2e9, cpu_engine=3.8e9, cpu_contended=2.8e9, gpu_adam=120e9, h2d=55e9, d2h=55e9,
@@ -185,13 +186,20 @@ def _cuda_planner(monkeypatch, sizes, rates):
     return planner
 
 
+def _telemetry(places, cpu_adam_seconds, seconds=1.0):
+    """What the planner reads of an update that ran ``places``."""
+    staged = places.count(Placement.STAGED)
+    return SimpleNamespace(seconds=seconds, cpu_adam_seconds=cpu_adam_seconds, staged_subgroups=staged,
+                           cpu_subgroups=len(places) - staged)
+
+
 def test_planner_refines_the_cpu_rate_from_real_updates_and_plans_again(monkeypatch):
     sizes = equal(16)
     planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
     first = planner.plan("auto")
     for _ in range(4):  # the real CPU runs AdamW 30% faster than calibration said
         expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
-        planner.observe(SimpleNamespace(cpu_adam_seconds=expected / 1.3))
+        planner.observe(_telemetry(planner.current.placements, expected / 1.3))
         planner.refresh()
     assert planner.cpu_speed == pytest.approx(1.3)
     assert planner.rates.cpu_engine == pytest.approx(1.3 * H200_LIKE.cpu_engine)
@@ -208,12 +216,71 @@ def test_refinement_ignores_the_first_update_and_outliers_and_never_calibrates(m
     monkeypatch.setattr(calibrate, "load_cached", lambda device: None)
     planner.plan("cpu")
     for _ in range(3):
-        planner.observe(SimpleNamespace(cpu_adam_seconds=0.1))
+        planner.observe(_telemetry(planner.current.placements, 0.1))
     assert planner.cpu_speed == 1.0 and planner.known_rates() is None  # no rates cached: nothing to refine
     monkeypatch.setattr(calibrate, "load_cached", lambda device: H200_LIKE)
     expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
     for seconds in (expected / 0.9, expected / 0.9, expected / 0.9, expected / 5.0):  # one outlier
-        planner.observe(SimpleNamespace(cpu_adam_seconds=seconds))
+        planner.observe(_telemetry(planner.current.placements, seconds))
     assert planner.cpu_speed == pytest.approx(0.9)
-    planner.observe(SimpleNamespace(cpu_adam_seconds=0.0))  # an update with no CPU work teaches nothing
+    planner.observe(_telemetry(planner.current.placements, 0.0))  # an update with no CPU work teaches nothing
     assert planner.cpu_speed == pytest.approx(0.9)
+
+
+def _link_bound(sizes, r):
+    """A mix of half the subgroups staged: the link bounds it on H200-like rates."""
+    places = spread(len(sizes), len(sizes) // 2)
+    assert predict(sizes, places, r, 2).bottleneck == "link"
+    return places
+
+
+def test_planner_learns_the_contended_link_rate_from_link_bound_updates(monkeypatch):
+    sizes = equal(16)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    places = _link_bound(sizes, H200_LIKE)
+    planner.plan(2)
+    planner.current = replace(planner.current, placements=places)
+    truth = replace(H200_LIKE, link_contended=0.85 * H200_LIKE.link_contended)  # the real link is slower
+    real = predict(sizes, places, truth, 2)
+    for _ in range(5):
+        planner.observe(_telemetry(places, real.cpu_s, real.seconds))
+    assert planner.link_speed == pytest.approx(0.85, rel=1e-3)
+    assert planner.cpu_speed == pytest.approx(1.0)
+    assert planner.rates.link_contended == pytest.approx(truth.link_contended, rel=1e-3)
+    assert planner.rates.link == H200_LIKE.link  # the rate alone is not what these updates show
+    assert predict(sizes, places, planner.rates, 2).seconds == pytest.approx(real.seconds, rel=1e-3)
+
+
+def test_link_rate_is_not_learned_from_cpu_bound_all_staged_or_fallen_back_updates(monkeypatch):
+    sizes = equal(16)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    planner.plan(8)  # the CPU bounds this one: its wall says nothing about the link
+    assert predict(sizes, planner.current.placements, H200_LIKE, 2).bottleneck == "cpu"
+    cpu_s = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
+    for _ in range(3):
+        planner.observe(_telemetry(planner.current.placements, cpu_s, seconds=5.0))
+    planner.plan("gpu")  # no CPU subgroups: the link runs alone, not contended
+    for _ in range(3):
+        planner.observe(_telemetry(planner.current.placements, 0.0, seconds=5.0))
+    planner.plan(2)
+    planner.current = replace(planner.current, placements=_link_bound(sizes, H200_LIKE))
+    fell_back = _telemetry(placements("cpu", 16), cpu_s, seconds=5.0)  # no staging memory: all ran on the CPU
+    planner.observe(fell_back)
+    assert planner.link_speed == 1.0 and planner.cpu_speed == pytest.approx(1.0)  # nor the CPU's from that
+
+
+def test_auto_plans_again_when_the_link_turns_out_slower(monkeypatch):
+    sizes = equal(16)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    first = planner.plan("auto")
+    truth = replace(H200_LIKE, link_contended=0.7 * H200_LIKE.link_contended)
+    for _ in range(6):
+        real = predict(sizes, planner.current.placements, truth, 2)
+        planner.observe(_telemetry(planner.current.placements, real.cpu_s, real.seconds))
+        planner.refresh()
+    assert planner.link_speed == pytest.approx(0.7, rel=1e-3)
+    # sharing the link with the CPU path now costs more than it saves: every subgroup is staged
+    assert first.prediction.cpu > 0 and planner.current.prediction.cpu == 0
+    assert planner.current.placements == choose(sizes, planner.rates, 2)[0]
+    assert predict(sizes, planner.current.placements, truth, 2).seconds < \
+        predict(sizes, first.placements, truth, 2).seconds  # and on the real rates it is faster
