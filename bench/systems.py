@@ -86,6 +86,28 @@ def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
     return _plain(model, opt, device, "torch.optim.AdamW(fused=True), fp32 params on the GPU, bf16 autocast")
 
 
+def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int) -> Trainer:
+    """Our numerics without offloading: bf16 params and grads, fp32 masters and AdamW states on the GPU.
+    The reference that the loss check holds ours to (fp32 params under autocast train differently)."""
+    model = llama(preset, torch.bfloat16, device)
+    params = list(model.parameters())
+    masters = [p.detach().float() for p in params]
+    opt = torch.optim.AdamW(masters, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    @torch.no_grad()
+    def step():
+        for m, p in zip(masters, params):
+            m.grad = p.grad.float()
+        opt.step()
+        for m, p in zip(masters, params):
+            p.copy_(m)
+            m.grad, p.grad = None, None
+
+    return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), step,
+                   sum(p.numel() for p in params), settings="torch.optim.AdamW(fused=True) on fp32 master copies "
+                   "on the GPU, bf16 params and grads (our numerics, no offload)")
+
+
 def torchao_offload(preset: str, device: torch.device, batch: int) -> Trainer:
     from torchao.optim import CPUOffloadOptimizer
 
@@ -155,6 +177,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "torchao_offload": torchao_offload,
     "fsdp2_offload": fsdp2_offload,
     "gpu_adamw": gpu_adamw,
+    "gpu_adamw_bf16_masters": gpu_adamw_bf16_masters,
 }
 OURS = "ours_auto"
-REFERENCE = "gpu_adamw"
+REFERENCE = "gpu_adamw_bf16_masters"  # the loss check's reference: the same numerics as ours

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import report, run_system, suite
+from bench.systems import REFERENCE
 
 
 def test_budgets_are_parsed_and_checked():
@@ -49,8 +50,8 @@ def _row(system, budget=None, status="ok", iter_s=1.0, losses=(10.0, 9.9, 9.8), 
 
 
 def test_loss_check_accepts_bf16_noise_and_catches_divergence():
-    rows = [_row("gpu_adamw"), _row("ours_auto", losses=(10.0, 9.91, 9.79)),
-            _row("ours_cpu", losses=(10.0, 9.9, 10.4)), _row("gpu_adamw", budget=40, status="oom"),
+    rows = [_row(REFERENCE), _row("ours_auto", losses=(10.0, 9.91, 9.79)),
+            _row("ours_cpu", losses=(10.0, 9.9, 10.4)), _row(REFERENCE, budget=40, status="oom"),
             _row("ours_auto", budget=40, losses=(10.0, 9.9, 9.8))]
     failures = report.check_losses(rows)
     assert len(failures) == 1 and "ours_cpu" in failures[0]
@@ -72,7 +73,8 @@ def test_table_and_ratios_show_every_system_including_failures():
 
 def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
     results = tmp_path / "results.jsonl"
-    results.write_text("\n".join(json.dumps(r) for r in [_row("gpu_adamw"), _row("ours_auto", iter_s=0.5)]) + "\n")
+    results.write_text("\n".join(json.dumps(r) for r in [_row(REFERENCE), _row("gpu_adamw"),
+                                                         _row("ours_auto", iter_s=0.5)]) + "\n")
     assert report.write_report(results, "python -m bench.suite --test") == 0
     readme = (tmp_path / "README.md").read_text()
     assert "python -m bench.suite --test" in readme and "gpu_adamw: iteration x2.00" in readme
@@ -84,7 +86,7 @@ def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
     assert "FAILED" in (tmp_path / "README.md").read_text()
 
 
-@pytest.mark.parametrize("system", ["ours_auto", "ours_gpu", "gpu_adamw"])
+@pytest.mark.parametrize("system", ["ours_auto", "ours_gpu", "gpu_adamw", REFERENCE])
 def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     row = run_system.run(system, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")
@@ -92,6 +94,19 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     assert row["losses"][-1] < row["losses"][0]  # one batch, learnt: the loss check has something to see
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
+
+
+def test_the_loss_reference_trains_like_ours_step_for_step():
+    """The reference keeps our numerics (bf16 params, fp32 masters), so ours follows it closely; fp32 params
+    under autocast (gpu_adamw) take a visibly different path on the same batch."""
+    def losses(system):
+        row = run_system.run(system, "tiny", None, iters=6, warmup=1, micro_batch=2, seq=32,
+                             device=torch.device("cpu"))
+        return row["losses"]
+
+    ours, ref = losses("ours_cpu"), losses(REFERENCE)
+    assert max(abs(a - b) / b for a, b in zip(ours, ref)) < 1e-3
+    assert report.check_losses([_row(REFERENCE, losses=ref), _row("ours_cpu", losses=ours)]) == []
 
 
 def test_a_peer_that_is_not_installed_is_reported_not_hidden():
@@ -106,11 +121,11 @@ def test_a_peer_that_is_not_installed_is_reported_not_hidden():
 
 def test_suite_end_to_end_on_the_cpu_and_skips_what_is_done(tmp_path, capsys):
     out = tmp_path / "results.jsonl"
-    args = ["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--iters", "2", "--warmup", "1",
+    args = ["--models", "tiny", "--systems", f"ours_auto,{REFERENCE}", "--iters", "2", "--warmup", "1",
             "--micro-batch", "1", "--seq", "16", "--out", str(out)]
     assert suite.main(args) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["system"] for r in rows} == {"ours_auto", "gpu_adamw"} and all(r["status"] == "ok" for r in rows)
+    assert {r["system"] for r in rows} == {"ours_auto", REFERENCE} and all(r["status"] == "ok" for r in rows)
     assert "Every run of ours stayed within" in (tmp_path / "README.md").read_text()
     assert suite.main(args) == 0
     assert len(out.read_text().splitlines()) == 2  # nothing run twice
