@@ -4,7 +4,8 @@
 
 Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results, with
 the hand-written notes.md from the same folder, when there is one, ahead of the tables.
-Exits non-zero, loudly, when our loss curve leaves the fused-AdamW reference's by more than bf16 noise.
+Exits non-zero, loudly, when our loss curve leaves the reference's (fused AdamW with our numerics, no offload)
+by more than rounding noise.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 from bench.systems import OURS, REFERENCE, SYSTEMS
 
-LOSS_TOLERANCE = 0.01  # relative, per step: bf16 compute noise between bf16 params and fp32 params + autocast
+# Per step, |ours - reference| over the reference's first loss. Relative to each step's own loss would blow up
+# as a memorised batch's loss nears 0. Ours and the reference (same numerics) stay within 0.05% on the H200;
+# fp32 params under autocast (gpu_adamw) leave them by 0.2-1.2%; a wrong update, by tens of percent.
+LOSS_TOLERANCE = 0.005
 
 
 def load(path: Path) -> list[dict]:
@@ -42,11 +46,11 @@ def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[st
         ref = ok.get((model, budget, REFERENCE)) or ok.get((model, None, REFERENCE))
         if ref is None:
             continue
-        worst = max(abs(a - b) / abs(b) for a, b in zip(row["losses"], ref["losses"]))
+        worst = max(abs(a - b) for a, b in zip(row["losses"], ref["losses"])) / abs(ref["losses"][0])
         row["loss_vs_reference"] = worst
         if worst > tolerance or len(row["losses"]) != len(ref["losses"]):
             failures.append(f"{system} on {model} ({_budget(budget)}): loss differs from {REFERENCE} by "
-                            f"{worst:.2%} (tolerance {tolerance:.0%})")
+                            f"{worst:.2%} of its first loss (tolerance {tolerance:.1%})")
     return failures
 
 
@@ -183,7 +187,8 @@ def write_report(results: Path, command: str) -> int:
             "Not run: " + ("; ".join(not_run(rows)) or "none") + ".", "", "## Settings", "", settings(rows), "",
             "## Figures", "", *[f"![{p.stem}]({p.name})" for p in paths], "", "## Loss check", "",
             "\n".join(f"- FAILED: {f}" for f in failures) or
-            f"Every run of ours stayed within {LOSS_TOLERANCE:.0%} of {REFERENCE}'s loss at every step.",
+            f"Every run of ours stayed within {REFERENCE}'s loss at every step, to {LOSS_TOLERANCE:.1%} of the "
+            "first loss (column \"loss vs reference\": the worst step).",
             "", loss_drops(rows)]
     (results.parent / "README.md").write_text("\n".join(text) + "\n")
     if failures:

@@ -117,7 +117,7 @@ def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: i
     opt.schedule = schedule
     sizes = [sg.numel for sg in opt.layout.subgroups]
     refined_rates = opt.planner.known_rates()  # refined by the earlier updates, not this schedule's own
-    cpu_speed, link_speed = opt.planner.cpu_speed, opt.planner.link_speed
+    factors = opt.planner.factors
     times, stats, errors = [], [], []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -141,8 +141,9 @@ def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: i
     pred = predict(sizes, opt.placements, refined_rates, slots) if refined_rates else calibrated
     return {"schedule": schedule, "staged": stats[-1].staged_subgroups, "staged_predicted": pred.staged,
             "update_s": round(mid, 4), "predicted_s": round(pred.seconds, 4),
-            "prediction_error": round(pred.seconds / mid - 1, 4), "cpu_speed": round(cpu_speed, 4),
-            "link_speed": round(link_speed, 4), "staged_window_s": round(stats[-1].staged_window_s, 4),
+            "prediction_error": round(pred.seconds / mid - 1, 4),
+            "factors": {k: round(v, 4) for k, v in factors.items()},
+            "staged_window_s": round(stats[-1].staged_window_s, 4),
             "predicted_calibrated_s": round(calibrated.seconds, 4),
             "calibrated_error": round(calibrated.seconds / mid - 1, 4),
             "bottleneck": pred.bottleneck, "min_s": round(min(times), 4),

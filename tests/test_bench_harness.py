@@ -161,13 +161,13 @@ def test_replaying_run7_refines_every_schedule_but_the_first():
     path = Path(__file__).parent.parent / "docs/results/2026-11-29-update-5.2b-run7.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     *out, last = replay_refinement.replay(rows)
-    assert out[0]["cpu_speed"] == 1.0 and out[0]["refined_s"] == out[0]["calibrated_s"]  # nothing seen yet
-    assert all(x["cpu_speed"] > 1.1 for x in out[1:])  # the real CPU was faster than calibration said
+    assert set(out[0]["factors"].values()) == {1.0} and out[0]["refined_s"] == out[0]["calibrated_s"]
+    assert all(x["factors"]["cpu_engine"] > 1.1 for x in out[1:])  # the real CPU was faster than calibrated
     cpu_bound = [x for x in out if x["schedule"] in (3, 4, 6, 8)]
     assert all(abs(x["refined_error"]) < abs(x["calibrated_error"]) for x in cpu_bound)
-    assert 0 < last["auto_now_stages"] < rows[0]["subgroups"]
-    assert out[-1]["link_speed"] < 1  # k=2 showed the link slower while the CPU runs than calibration said
+    assert out[-1]["factors"]["link_contended"] < 1  # k=2: the link slower beside the CPU than calibrated
     assert abs(out[-1]["refined_error"]) < 0.05
+    assert 0 < last["auto_now_stages"] < rows[0]["subgroups"]
 
 
 def test_suite_runs_again_what_errored_but_not_what_ran_or_did_not_fit(tmp_path):

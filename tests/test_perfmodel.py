@@ -13,6 +13,7 @@ from deep_optimizer_states import calibrate
 from deep_optimizer_states.perfmodel import (Rates, best_stride, choose, lower_bound, predict, stride_formula,
                                              stride_places)
 from deep_optimizer_states.plan import Planner
+from deep_optimizer_states.refine import solve
 from deep_optimizer_states.schedule import placements, spread
 from tests.harness import mlp
 
@@ -193,20 +194,39 @@ def _telemetry(places, cpu_adam_seconds, seconds=1.0):
                            cpu_subgroups=len(places) - staged)
 
 
-def test_planner_refines_the_cpu_rate_from_real_updates_and_plans_again(monkeypatch):
+def _run(planner, sizes, truth, updates=5):
+    """``updates`` updates of the planner's current placement on a machine whose real rates are ``truth``."""
+    for _ in range(updates):
+        real = predict(sizes, planner.current.placements, truth, 2)
+        planner.observe(_telemetry(planner.current.placements, real.cpu_s, real.seconds))
+
+
+def test_planner_learns_the_cpu_rate_alone_from_updates_all_on_the_cpu(monkeypatch):
     sizes = equal(16)
     planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
     first = planner.plan("auto")
-    for _ in range(4):  # the real CPU runs AdamW 30% faster than calibration said
-        expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
-        planner.observe(_telemetry(planner.current.placements, expected / 1.3))
-        planner.refresh()
-    assert planner.cpu_speed == pytest.approx(1.3)
+    planner.plan("cpu")
+    _run(planner, sizes, replace(H200_LIKE, cpu_engine=1.3 * H200_LIKE.cpu_engine))
+    assert planner.factors == pytest.approx({"cpu_engine": 1.3, "cpu_contended": 1.0, "link_contended": 1.0})
     assert planner.rates.cpu_engine == pytest.approx(1.3 * H200_LIKE.cpu_engine)
-    assert planner.rates.cpu_contended == pytest.approx(1.3 * H200_LIKE.cpu_contended)
-    assert planner.rates.link == H200_LIKE.link
-    assert planner.current.prediction.staged < first.prediction.staged  # a faster CPU takes more subgroups
-    assert planner.current.placements == choose(sizes, planner.rates, 2)[0]
+    assert planner.rates.link == H200_LIKE.link and planner.rates.cpu_contended == H200_LIKE.cpu_contended
+    again = planner.plan("auto")
+    assert again.prediction.staged < first.prediction.staged  # a faster CPU takes more subgroups
+    assert again.placements == choose(sizes, planner.rates, 2)[0]
+
+
+def test_planner_learns_the_cpu_rate_beside_the_link_from_mixes(monkeypatch):
+    sizes = equal(16)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    truth = replace(H200_LIKE, cpu_contended=0.75 * H200_LIKE.cpu_contended)  # contention hurts more
+    planner.plan(2)
+    _run(planner, sizes, truth)
+    assert planner.factors["cpu_contended"] == pytest.approx(0.75, rel=1e-3)
+    assert planner.factors["cpu_engine"] == 1.0
+    for k in (2, 3):
+        planner.plan(k)
+        assert predict(sizes, planner.current.placements, planner.rates, 2).cpu_s == \
+            pytest.approx(predict(sizes, planner.current.placements, truth, 2).cpu_s, rel=1e-3)
 
 
 def test_refinement_ignores_the_first_update_and_outliers_and_never_calibrates(monkeypatch):
@@ -217,14 +237,14 @@ def test_refinement_ignores_the_first_update_and_outliers_and_never_calibrates(m
     planner.plan("cpu")
     for _ in range(3):
         planner.observe(_telemetry(planner.current.placements, 0.1))
-    assert planner.cpu_speed == 1.0 and planner.known_rates() is None  # no rates cached: nothing to refine
+    assert planner.factors["cpu_engine"] == 1.0 and planner.known_rates() is None  # no rates cached
     monkeypatch.setattr(calibrate, "load_cached", lambda device: H200_LIKE)
     expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
     for seconds in (expected / 0.9, expected / 0.9, expected / 0.9, expected / 5.0):  # one outlier
         planner.observe(_telemetry(planner.current.placements, seconds))
-    assert planner.cpu_speed == pytest.approx(0.9)
+    assert planner.factors["cpu_engine"] == pytest.approx(0.9)
     planner.observe(_telemetry(planner.current.placements, 0.0))  # an update with no CPU work teaches nothing
-    assert planner.cpu_speed == pytest.approx(0.9)
+    assert planner.factors["cpu_engine"] == pytest.approx(0.9)
 
 
 def _link_bound(sizes, r):
@@ -241,32 +261,28 @@ def test_planner_learns_the_contended_link_rate_from_link_bound_updates(monkeypa
     planner.plan(2)
     planner.current = replace(planner.current, placements=places)
     truth = replace(H200_LIKE, link_contended=0.85 * H200_LIKE.link_contended)  # the real link is slower
-    real = predict(sizes, places, truth, 2)
-    for _ in range(5):
-        planner.observe(_telemetry(places, real.cpu_s, real.seconds))
-    assert planner.link_speed == pytest.approx(0.85, rel=1e-3)
-    assert planner.cpu_speed == pytest.approx(1.0)
-    assert planner.rates.link_contended == pytest.approx(truth.link_contended, rel=1e-3)
+    _run(planner, sizes, truth)
+    assert planner.factors == pytest.approx({"cpu_engine": 1.0, "cpu_contended": 1.0, "link_contended": 0.85},
+                                            rel=1e-3)
     assert planner.rates.link == H200_LIKE.link  # the rate alone is not what these updates show
-    assert predict(sizes, places, planner.rates, 2).seconds == pytest.approx(real.seconds, rel=1e-3)
+    assert predict(sizes, places, planner.rates, 2).seconds == pytest.approx(
+        predict(sizes, places, truth, 2).seconds, rel=1e-3)
 
 
 def test_link_rate_is_not_learned_from_cpu_bound_all_staged_or_fallen_back_updates(monkeypatch):
     sizes = equal(16)
     planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
     planner.plan(8)  # the CPU bounds this one: its wall says nothing about the link
-    assert predict(sizes, planner.current.placements, H200_LIKE, 2).bottleneck == "cpu"
     cpu_s = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
     for _ in range(3):
-        planner.observe(_telemetry(planner.current.placements, cpu_s, seconds=5.0))
+        planner.observe(_telemetry(planner.current.placements, cpu_s, seconds=cpu_s * 1.05))
     planner.plan("gpu")  # no CPU subgroups: the link runs alone, not contended
     for _ in range(3):
         planner.observe(_telemetry(planner.current.placements, 0.0, seconds=5.0))
     planner.plan(2)
     planner.current = replace(planner.current, placements=_link_bound(sizes, H200_LIKE))
-    fell_back = _telemetry(placements("cpu", 16), cpu_s, seconds=5.0)  # no staging memory: all ran on the CPU
-    planner.observe(fell_back)
-    assert planner.link_speed == 1.0 and planner.cpu_speed == pytest.approx(1.0)  # nor the CPU's from that
+    planner.observe(_telemetry(placements("cpu", 16), cpu_s, seconds=5.0))  # no staging memory: all on the CPU
+    assert planner.factors["link_contended"] == 1.0 and planner.factors["cpu_engine"] == 1.0
 
 
 def test_auto_plans_again_when_the_link_turns_out_slower(monkeypatch):
@@ -275,12 +291,16 @@ def test_auto_plans_again_when_the_link_turns_out_slower(monkeypatch):
     first = planner.plan("auto")
     truth = replace(H200_LIKE, link_contended=0.7 * H200_LIKE.link_contended)
     for _ in range(6):
-        real = predict(sizes, planner.current.placements, truth, 2)
-        planner.observe(_telemetry(planner.current.placements, real.cpu_s, real.seconds))
+        _run(planner, sizes, truth, updates=1)
         planner.refresh()
-    assert planner.link_speed == pytest.approx(0.7, rel=1e-3)
+    assert planner.factors["link_contended"] == pytest.approx(0.7, rel=1e-3)
     # sharing the link with the CPU path now costs more than it saves: every subgroup is staged
     assert first.prediction.cpu > 0 and planner.current.prediction.cpu == 0
     assert planner.current.placements == choose(sizes, planner.rates, 2)[0]
     assert predict(sizes, planner.current.placements, truth, 2).seconds < \
         predict(sizes, first.placements, truth, 2).seconds  # and on the real rates it is faster
+
+
+def test_solve_finds_the_factor_or_says_there_is_none():
+    assert solve(lambda f: 2.0 / f, 1.0) == pytest.approx(2.0)
+    assert solve(lambda f: 2.0 / f, 100.0) is None  # a hiccup far outside the range teaches nothing
