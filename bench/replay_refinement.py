@@ -5,13 +5,14 @@
 Feeds each schedule's measured update and CPU AdamW times (their medians, once per recorded update, warm-up
 included) to the optimizer's Planner in the order the sweep ran, and prints for each schedule the prediction
 that the refined rates give before that schedule's own updates are seen, beside the measurement and the
-prediction from calibration alone. It cannot replay a different choice of "auto": the placement measured is priced.
+prediction from calibration alone. It cannot replay a different choice of "auto": the placement measured
+is priced.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -71,7 +72,8 @@ def main(paths: list[str], probe: str | None = None) -> None:
     for path in paths:
         rows = [json.loads(line) for line in open(path) if line.strip()]
         print(f"### {path}\n\n| schedule | staged | measured s | predicted s, refined | error "
-              "| predicted s, calibration only | error | factors before the run: CPU alone, CPU contended, link contended |\n"
+              "| predicted s, calibration only | error "
+              "| factors before the run: CPU alone, CPU contended, link contended |\n"
               "|---|---|---|---|---|---|---|---|")
         *lines, last = replay(rows, probe=probe)
         for x in lines:
@@ -83,6 +85,8 @@ def main(paths: list[str], probe: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    probe = args.pop(args.index("--probe") + 1) if "--probe" in args else None
-    main([a for a in args if a != "--probe"], probe)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("paths", nargs="+", help="update-phase JSON lines from `dos bench --out`")
+    parser.add_argument("--probe", default=None, help="the schedule whose updates stand in for the probes")
+    args = parser.parse_args()
+    main(args.paths, args.probe)
