@@ -137,35 +137,38 @@ def figures(rows: list[dict], folder: Path) -> list[Path]:
     ok = [r for r in rows if r.get("status") == "ok"]
     models = sorted({r["model"] for r in rows})
     systems = sorted({r["system"] for r in rows})
+    palette = plt.cm.tab20.colors  # one colour per system, the same in both figures
+    colour = {system: palette[i % len(palette)] for i, system in enumerate(systems)}
     paths = [folder / "iteration_time.png", folder / "iteration_vs_budget.png"]
     fig, ax = plt.subplots(figsize=(10, 4.5))
     width = 0.8 / max(len(systems), 1)
     for i, system in enumerate(systems):
         ys = [next((r["iter_s"] for r in ok if r["model"] == m and r["budget_gb"] is None and r["system"] == system),
                    0.0) for m in models]
-        ax.bar([x + i * width for x in range(len(models))], ys, width, label=system)
+        ax.bar([x + i * width for x in range(len(models))], ys, width, label=system, color=colour[system])
     ax.set_xticks([x + 0.4 - width / 2 for x in range(len(models))], models)
     ax.set_ylabel("iteration time, s (whole GPU; missing bar: did not run)")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(paths[0], dpi=120)
     plt.close(fig)
-    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5 * max(len(models), 1), 4), squeeze=False)
+    fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5 * max(len(models), 1) + 2.5, 4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for system in systems:
+        for i, system in enumerate(systems):
             points = sorted((r["budget_gb"] or r.get("device_GB") or 141.0, r["iter_s"]) for r in ok
                             if r["model"] == model and r["system"] == system)
-            line = ax.plot(*zip(*points), marker="o", label=system) if points else None
+            if points:
+                ax.plot(*zip(*points), marker="o", color=colour[system])
             failed = [r["budget_gb"] for r in rows if r["model"] == model and r["system"] == system
                       and r.get("status") == "oom" and r["budget_gb"] is not None]
-            if failed:  # did not fit: an x on the axis, in the system's colour
-                ax.scatter(failed, [0.0] * len(failed), marker="x", s=60,
-                           color=line[0].get_color() if line else None, label=None if line else system)
+            offset = (i - len(systems) / 2) * 0.8  # side by side, so that every system's x shows
+            ax.scatter([b + offset for b in failed], [0.0] * len(failed), marker="x", s=50, color=colour[system])
         ax.set_title(model)
-        ax.set_xlabel("GPU memory budget, GB (whole device at the right; x: does not fit)")
-        ax.set_ylabel("iteration time, s")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+        ax.set_xlabel("GPU memory budget, GB (whole device at the right)")
+        ax.set_ylabel("iteration time, s (x on the axis: does not fit)")
+    handles = [plt.Line2D([], [], color=colour[s], marker="o", label=s) for s in systems]
+    fig.legend(handles=handles, loc="center right", fontsize=7)
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
     fig.savefig(paths[1], dpi=120)
     plt.close(fig)
     return paths
