@@ -2,6 +2,8 @@
 
 Each measured step runs on fresh random gradients, and one step per schedule is checked against torch's
 fused AdamW run on the GPU over copies of a CPU-placed and a staged subgroup: fast and wrong is no result.
+The schedules take turns (round-robin), so that a machine whose speed drifts moves them all alike, and each
+is predicted by rates that never saw its own updates (leave-one-schedule-out).
 """
 
 from __future__ import annotations
@@ -9,16 +11,19 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from .adam import AdamHyper, adam_update
 from .calibrate import calibrated_rates
+from .engine import UpdateStats
 from .layout import HOST_BYTES_PER_ELEMENT
 from .models import llama
 from .optimizer import DeepOptimizerStates
 from .perfmodel import Rates, lower_bound, predict
+from .refine import Refiner
 from .schedule import Placement, Schedule
 
 
@@ -46,28 +51,48 @@ def probe_subgroups(opt: DeepOptimizerStates) -> list[int]:
     return [places.index(kind) for kind in (Placement.CPU, Placement.STAGED) if kind in places]
 
 
+@dataclass
+class Record:
+    """One update of the benchmark: what ran, what it showed, and whether it counts towards the medians."""
+
+    schedule: Schedule
+    places: list[Placement]
+    slots: int
+    stats: UpdateStats
+    seconds: float
+    timed: bool
+    peak_gpu_bytes: int = 0
+
+
 def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 1, 2, 3, 4, 5, 6, 7, 8, "auto"),
-                 subgroup_size: int = 25_000_000, warmup: int = 2, iters: int = 5, device: str | None = None,
+                 subgroup_size: int = 25_000_000, warmup: int = 2, iters: int = 7, device: str | None = None,
                  out: str | None = None, probes: int = 3) -> list[dict]:
     """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines).
 
-    ``probes`` untimed "auto" updates run first, as a training run's first steps would: the optimizer
-    refines its rates from them, so the first schedule is not predicted from calibration alone."""
+    The schedules take turns, one update each per round (``warmup`` untimed rounds, then ``iters`` timed),
+    so a machine that drifts moves every schedule alike. ``probes`` untimed "auto" updates run first, as a
+    training run's first steps would. Each schedule is predicted twice: from calibration alone, and from
+    the calibrated rates refined on every *other* schedule's updates (never its own)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     opt, header = _setup(preset, subgroup_size, dev)
-    _probe(opt, probes)
-    header["probe_updates"] = probes
-    rows = []
-    for schedule in schedules:
-        row = {**header, **_measure(opt, schedule, warmup, iters, header["rates"])}
-        rows.append(row)
+    header.update(probe_updates=probes, rounds=f"{warmup} warm-up + {iters} timed, schedules in turn",
+                  prediction_basis="refined on the other schedules' updates")
+    records, errors = _run(opt, ["auto"] * probes, timed=False)
+    for round_ in range(warmup + iters):
+        done, checked = _run(opt, schedules, timed=round_ >= warmup, check=round_ == warmup)
+        records += done
+        errors.update(checked)
+    rows = [{**header, **summarise(opt, s, records, Rates(**header["rates"]), errors.get(str(s)))}
+            for s in schedules]
+    for row in rows:
         print(json.dumps(row), flush=True)
-        if row["max_rel_err_vs_torch"] is not None and row["max_rel_err_vs_torch"] > 1e-6:
-            raise AssertionError(f"schedule {schedule}: differs from torch's fused AdamW by "
-                                 f"{row['max_rel_err_vs_torch']:.2e}")
     if out:
         with open(out, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
+    for row in rows:
+        if row["max_rel_err_vs_torch"] is not None and row["max_rel_err_vs_torch"] > 1e-6:
+            raise AssertionError(f"schedule {row['schedule']}: differs from torch's fused AdamW by "
+                                 f"{row['max_rel_err_vs_torch']:.2e}")
     return rows
 
 
@@ -100,65 +125,82 @@ def _setup(preset: str, subgroup_size: int, dev: torch.device) -> tuple[DeepOpti
     return opt, header
 
 
-def _probe(opt: DeepOptimizerStates, updates: int) -> None:
-    """Untimed "auto" updates on fresh gradients, whose telemetry the optimizer learns from."""
-    opt.schedule = "auto"
-    for _ in range(updates):
-        _fresh_grads(opt)
-        opt.step()
-    _sync(opt.device)
-
-
-def _measure(opt: DeepOptimizerStates, schedule: Schedule, warmup: int, iters: int, rates: dict) -> dict:
-    """Median update time of one schedule on fresh gradients, and the check against torch. Predicted twice
-    with rates known before it ran: from calibration alone, and refined by the optimizer on the updates
-    so far (of other schedules and the probes)."""
+def _run(opt: DeepOptimizerStates, schedules: Sequence[Schedule], timed: bool,
+         check: bool = False) -> tuple[list[Record], dict[str, float]]:
+    """One update per schedule on fresh gradients, each timed with a device synchronize around it;
+    with ``check``, a CPU-placed and a staged subgroup are compared with torch's fused AdamW."""
     dev = opt.device
-    opt.schedule = schedule
-    sizes = [sg.numel for sg in opt.layout.subgroups]
-    refined_rates = opt.planner.known_rates()  # refined by the earlier updates, not this schedule's own
-    factors = opt.planner.factors
-    times, stats, errors = [], [], []
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(dev)
-    for it in range(warmup + iters):
+    records, errors = [], {}
+    for schedule in schedules:
+        opt.schedule = schedule
         _fresh_grads(opt)
-        expected = {i: expected_master(opt, i, dev) for i in (probe_subgroups(opt) if it == warmup else [])}
+        expected = {i: expected_master(opt, i, dev) for i in (probe_subgroups(opt) if check else [])}
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
         _sync(dev)
         t0 = time.perf_counter()
         opt.step()
         _sync(dev)
-        if it >= warmup:
-            times.append(time.perf_counter() - t0)
-            stats.append(opt.last_update)
-        for i, want in expected.items():
-            got = opt.layout.subgroups[i].master.to(dev)
-            errors.append(((got - want).norm() / want.norm()).item())
+        seconds = time.perf_counter() - t0
+        peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+        records.append(Record(schedule, opt.placements, max(opt.plan.slots, 1), opt.last_update, seconds,
+                              timed, peak))
+        if expected:
+            errors[str(schedule)] = max(((opt.layout.subgroups[i].master.to(dev) - want).norm()
+                                         / want.norm()).item() for i, want in expected.items())
+    return records, errors
+
+
+def refined_without(schedule: Schedule, records: Sequence[Record], sizes: Sequence[int],
+                    calibrated: Rates) -> Refiner:
+    """The optimizer's refinement replayed on every update but ``schedule``'s own (the first update of the
+    run skipped, as the optimizer does): what the other schedules taught the model."""
+    refiner = Refiner()
+    for rec in records[1:]:
+        if rec.schedule != schedule:
+            refiner.learn(sizes, rec.places, rec.slots, calibrated, rec.stats)
+    return refiner
+
+
+def summarise(opt: DeepOptimizerStates, schedule: Schedule, records: Sequence[Record], calibrated: Rates,
+              max_rel_err: float | None) -> dict:
+    """One schedule's row: medians of its timed updates beside the two predictions of them."""
+    sizes = [sg.numel for sg in opt.layout.subgroups]
+    mine = [r for r in records if r.schedule == schedule and r.timed]
+    refiner = refined_without(schedule, records, sizes, calibrated)
+    refined_rates = refiner.apply(calibrated)
+    times = [r.seconds for r in mine]
     mid = statistics.median(times)
-    numel = sum(sizes)
-    slots = max(opt.plan.slots, 1)  # priced for the placement that ran ("auto" may have planned again)
-    calibrated = predict(sizes, opt.placements, Rates(**rates), slots)
-    pred = predict(sizes, opt.placements, refined_rates, slots) if refined_rates else calibrated
-    return {"schedule": schedule, "staged": stats[-1].staged_subgroups, "staged_predicted": pred.staged,
-            "update_s": round(mid, 4), "predicted_s": round(pred.seconds, 4),
-            "prediction_error": round(pred.seconds / mid - 1, 4),
-            "factors": {k: round(v, 4) for k, v in factors.items()},
-            "staged_window_s": round(stats[-1].staged_window_s, 4),
-            "predicted_calibrated_s": round(calibrated.seconds, 4),
-            "calibrated_error": round(calibrated.seconds / mid - 1, 4),
+
+    def priced(rates: Rates) -> float:  # each update priced for the placement it ran ("auto" may re-plan)
+        return statistics.median(predict(sizes, r.places, rates, r.slots).seconds for r in mine)
+
+    pred_s, cal_s = priced(refined_rates), priced(calibrated)
+    last = mine[-1]
+    pred = predict(sizes, last.places, refined_rates, last.slots)
+    stats = [r.stats for r in mine]
+    staged = [s.staged_subgroups for s in stats]
+    return {"schedule": schedule, "staged": statistics.median_low(staged), "staged_counts": sorted(set(staged)),
+            "staged_predicted": pred.staged,
+            "update_s": round(mid, 4), "predicted_s": round(pred_s, 4),
+            "prediction_error": round(pred_s / mid - 1, 4),
+            "factors": {k: round(v, 4) for k, v in refiner.factors().items()},
+            "staged_window_s": round(statistics.median(s.staged_window_s for s in stats), 4),
+            "predicted_calibrated_s": round(cal_s, 4),
+            "calibrated_error": round(cal_s / mid - 1, 4),
             "bottleneck": pred.bottleneck, "min_s": round(min(times), 4),
-            "Gparams_per_s": round(numel / mid / 1e9, 3),
+            "Gparams_per_s": round(sum(sizes) / mid / 1e9, 3),
             "cpu_adam_s": round(statistics.median(s.cpu_adam_seconds for s in stats), 4),
             "h2d_GB": round(stats[0].h2d_bytes / 1e9, 2), "d2h_GB": round(stats[0].d2h_bytes / 1e9, 2),
-            "peak_gpu_GB": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else 0.0,
+            "peak_gpu_GB": round(max(r.peak_gpu_bytes for r in mine) / 1e9, 2),
             "lanes_s": {k: round(statistics.median(s.lane_seconds[k] for s in stats), 4)
                         for k in stats[0].lane_seconds},
-            "max_rel_err_vs_torch": max(errors) if errors else None, "times": [round(t, 4) for t in times]}
+            "max_rel_err_vs_torch": max_rel_err, "times": [round(t, 4) for t in times]}
 
 
 def table(rows: list[dict]) -> str:
     """A markdown table of update-phase rows, measured beside predicted."""
-    lines = ["| schedule | staged | update s (median) | predicted s, refined rates | error "
+    lines = ["| schedule | staged | update s (median) | predicted s, refined on the other schedules | error "
              "| predicted s, calibration only "
              "| error | G params/s | model's bottleneck | CPU AdamW s | H2D GB | D2H GB | peak GPU GB "
              "| max rel. err vs torch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -169,7 +211,9 @@ def table(rows: list[dict]) -> str:
             cal, cal_err = r["predicted_calibrated_s"], r["calibrated_error"]
         else:  # runs from before the refinement: their prediction came from calibration alone
             refined, cal, cal_err = "- | -", r["predicted_s"], r["prediction_error"]
-        lines.append(f"| {r['schedule']} | {r['staged']}/{r['subgroups']} | {r['update_s']:.3f} | {refined} | "
+        counts = r.get("staged_counts", [r["staged"]])
+        staged = f"{counts[0]}-{counts[-1]}" if len(counts) > 1 else r["staged"]
+        lines.append(f"| {r['schedule']} | {staged}/{r['subgroups']} | {r['update_s']:.3f} | {refined} | "
                      f"{cal:.3f} | {cal_err:+.1%} | {r['Gparams_per_s']:.2f} | "
                      f"{r['bottleneck']} | {r['cpu_adam_s']:.3f} | {r['h2d_GB']} | {r['d2h_GB']} | "
                      f"{r['peak_gpu_GB']} | {err} |")

@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--model", default="1.36b")
     bench.add_argument("--schedules", default="cpu,1,2,3,4,5,6,7,8,auto")
     bench.add_argument("--subgroup-size", type=int, default=25_000_000)
-    bench.add_argument("--warmup", type=int, default=2)
-    bench.add_argument("--iters", type=int, default=5)
+    bench.add_argument("--warmup", type=int, default=2, help="untimed rounds of every schedule in turn")
+    bench.add_argument("--iters", type=int, default=7, help="timed rounds (each schedule's median reported)")
     bench.add_argument("--probes", type=int, default=3,
                        help="untimed 'auto' updates first, which the rates are refined from (default 3)")
     bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")

@@ -304,3 +304,27 @@ def test_auto_plans_again_when_the_link_turns_out_slower(monkeypatch):
 def test_solve_finds_the_factor_or_says_there_is_none():
     assert solve(lambda f: 2.0 / f, 1.0) == pytest.approx(2.0)
     assert solve(lambda f: 2.0 / f, 100.0) is None  # a hiccup far outside the range teaches nothing
+
+
+def _record(schedule, sizes, truth, timed=True):
+    from deep_optimizer_states.benchmark import Record
+
+    places = placements(schedule, len(sizes))
+    real = predict(sizes, places, truth, 2)
+    return Record(schedule, places, 2, _telemetry(places, real.cpu_s, real.seconds), real.seconds, timed)
+
+
+def test_each_schedule_is_predicted_from_the_other_schedules_updates_only():
+    from deep_optimizer_states.benchmark import refined_without
+
+    sizes = equal(16)
+    truth = replace(H200_LIKE, cpu_contended=0.8 * H200_LIKE.cpu_contended)
+    records = [_record(k, sizes, truth) for _ in range(4) for k in ("cpu", 2, 3)]
+    learnt = refined_without(2, records, sizes, H200_LIKE)
+    assert learnt.factors()["cpu_contended"] == pytest.approx(0.8, rel=1e-3)  # taught by k=3 alone
+    slower = replace(truth, cpu_contended=0.5 * H200_LIKE.cpu_contended)
+    changed = [_record(2, sizes, slower) if r.schedule == 2 else r for r in records]
+    assert refined_without(2, changed, sizes, H200_LIKE).factors() == learnt.factors()  # its own: unseen
+    assert refined_without(3, changed, sizes, H200_LIKE).factors()["cpu_contended"] < 0.8  # others: seen
+    only_k2 = [r for r in records if r.schedule == 2]
+    assert refined_without(2, only_k2, sizes, H200_LIKE).factors()["cpu_contended"] == 1.0  # nothing to learn
