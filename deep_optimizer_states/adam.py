@@ -46,9 +46,11 @@ class AdamHyper:
 
     @classmethod
     def from_group(cls, group: dict, decoupled: bool) -> "AdamHyper":
+        """``decoupled`` unless the group says otherwise (torch's ``decoupled_weight_decay``: a loaded
+        torch.optim.Adam checkpoint keeps its L2 decay, as it would in torch)."""
         b1, b2 = group["betas"]
         return cls(float(group["lr"]), float(b1), float(b2), float(group["eps"]), float(group["weight_decay"]),
-                   decoupled)
+                   bool(group.get("decoupled_weight_decay", decoupled)))
 
 
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,

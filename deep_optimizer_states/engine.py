@@ -18,6 +18,7 @@ order and the worker runs inline: the same code, synchronous.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -43,7 +44,17 @@ class Job:
     subgroup: Subgroup
     placement: Placement
     hyper: AdamHyper
-    steps_done: int
+    steps_done: int = 0
+    runs: list[tuple[int, int, int]] | None = None  # (start, end, steps done); None: the whole subgroup
+
+    def spans(self) -> list[tuple[int, int, int]]:
+        """The spans to update: params without a gradient are left out, as torch leaves them alone."""
+        return self.runs if self.runs is not None else [(0, self.subgroup.numel, self.steps_done)]
+
+    def adam(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """AdamW over this job's spans of flat p/g/m/v (host buffers or a staging slot)."""
+        for a, b, steps in self.spans():
+            adam_update(p[a:b], g[a:b], m[a:b], v[a:b], steps, self.hyper)
 
 
 @dataclass
@@ -68,28 +79,23 @@ class _Slot:
         self.free = None  # event: the slot's last flush has completed
 
 
-def _to_fp32(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None,
-             multipliers: Sequence[torch.Tensor]) -> None:
-    """dst = fp32(src) * m1 * m2 ..., computed on src's device (the GPU up-casts, not the host)."""
-    if src.dtype == FP32 and not multipliers:
-        dst.copy_(src, non_blocking=True)
-        return
-    work = dst if dst.device == src.device else scratch[: src.numel()]
-    work.copy_(src)
+def _grads_fp32(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None,
+                multipliers: Sequence[torch.Tensor]) -> None:
+    """dst = the subgroup's gradients in fp32 * m1 * m2 ..., gathered and up-cast on the GPU (not the host)."""
+    work = dst if scratch is None else scratch[: sg.numel]
+    sg.gather_grads(work)
     for m in multipliers:
         work.mul_(m)
     if work is not dst:
         dst.copy_(work, non_blocking=True)
 
 
-def _from_fp32(dst: torch.Tensor, src: torch.Tensor, scratch: torch.Tensor | None) -> None:
-    """dst (the model's param) = src (fp32 master) rounded to dst's dtype, cast on dst's device."""
-    if dst.dtype == FP32 or dst.device == src.device:
-        dst.copy_(src, non_blocking=True)
-        return
-    work = scratch[: src.numel()]
-    work.copy_(src, non_blocking=True)
-    dst.copy_(work)
+def _params_from(src: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None) -> None:
+    """The model's params = src (fp32 masters, on the host or the GPU) rounded, cast on the params' device."""
+    if scratch is not None:
+        scratch[: sg.numel].copy_(src, non_blocking=True)
+        src = scratch[: sg.numel]
+    sg.scatter_params(src)
 
 
 class _GradFeed:
@@ -105,7 +111,7 @@ class _GradFeed:
         if len(self.events) < len(self.jobs):
             sg = self.jobs[len(self.events)].subgroup
             with self.lane.run():
-                _to_fp32(sg.grad32, sg.grad, self.scratch, self.multipliers)
+                _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers)
             self.events.append(self.lane.record())
 
     def landed(self, i: int):
@@ -124,6 +130,12 @@ class Engine:
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam")
                         if device.type == "cuda" else None)
         self._warned_fallback = False
+
+    def close(self) -> None:
+        """Stop the CPU worker thread (the optimizer is being closed)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = 2) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and host states are all updated."""
@@ -162,7 +174,7 @@ class Engine:
                 if not self._warned_fallback:
                     warnings.warn("not enough GPU memory for the staging slots: updating every subgroup on the CPU")
                     self._warned_fallback = True
-                jobs = [Job(j.subgroup, Placement.CPU, j.hyper, j.steps_done) for j in jobs]
+                jobs = [dataclasses.replace(j, placement=Placement.CPU) for j in jobs]
         on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
         need = self.device.type == "cuda" and on_cpu
         down = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
@@ -180,10 +192,10 @@ class Engine:
         sg = job.subgroup
         feed.landed(index).synchronize()
         t0 = time.perf_counter()
-        adam_update(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq, job.steps_done, job.hyper)
+        job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
         self._cpu_adam_seconds += time.perf_counter() - t0
         with self.params_up.run():
-            _from_fp32(sg.param, sg.master, scratch)
+            _params_from(sg.master, sg, scratch)
 
     def _update_staged(self, job: Job, slot: _Slot, multipliers) -> None:
         sg = job.subgroup
@@ -195,9 +207,9 @@ class Engine:
                 dst.copy_(src, non_blocking=True)
         self.gpu.wait(self.stage_in.record())
         with self.gpu.run():
-            _to_fp32(g, sg.grad, None, multipliers)
-            adam_update(p, g, m, v, job.steps_done, job.hyper)
-            _from_fp32(sg.param, p, None)
+            _grads_fp32(g, sg, None, multipliers)
+            job.adam(p, g, m, v)
+            _params_from(p, sg, None)
         self.stage_out.wait(self.gpu.record())
         with self.stage_out.run():
             for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):

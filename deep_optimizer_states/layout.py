@@ -1,11 +1,17 @@
-"""Packs parameters into flat buffers and cuts them into subgroups.
+"""Maps params onto flat host buffers and cuts them into subgroups.
 
-One *bucket* per (param group, dtype): the model's params become views into one flat device buffer, their
-gradients views into a flat device grad buffer, and the fp32 master weights, exp_avg, exp_avg_sq and an
-fp32 gradient landing zone live in flat host buffers of the same length (pinned when the device is a GPU).
-A *subgroup* is a contiguous slice of a bucket: it moves in one copy each way and is updated by one call
-of the fused AdamW kernel. Subgroups never mix param groups; they may cut through a parameter (AdamW is
-element-wise, so that is exact).
+One *bucket* per param group: the fp32 master weights, exp_avg, exp_avg_sq and an fp32 gradient landing
+zone of its params live in flat host buffers (pinned when the device is a GPU), one param after another.
+The params and their gradients stay the model's own tensors (or, for FSDP2, the local shards of its
+DTensors): savers, tied-weight detection and sharding see ordinary params. A *subgroup* is a contiguous
+slice of a bucket: its gradients are gathered into one flat fp32 buffer, it moves in one copy each way,
+and its params are scattered back from one flat fp32 buffer. Subgroups never mix param groups; they may
+cut through a param (AdamW is element-wise, so that is exact).
+
+The layout also keeps the bookkeeping that makes the host copy trustworthy: each param's step count (a
+param without a gradient is left alone, as torch does), and each param's version after our last write,
+so that an edit made outside the optimizer (``model.load_state_dict``, ``p.copy_``) is taken into the
+masters instead of being undone by the next step.
 """
 
 from __future__ import annotations
@@ -15,35 +21,54 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_memory import check_host_capacity, host_empty
+from .host_memory import HostSpec, check_host_capacity, host_empty_many
 
-ALIGN = 64  # elements: every param starts 128-byte aligned (bf16), so GEMMs keep their fast paths
 HOST_BYTES_PER_ELEMENT = 16  # fp32 master + exp_avg + exp_avg_sq + grad landing zone
+_HOST_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "grad32")
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support
+    DTensor = ()
 
 
-@dataclass
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The tensor this process holds: a DTensor's local shard, any other tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@dataclass(eq=False)
 class Bucket:
-    """The params of one param group that share a dtype, packed into flat buffers."""
+    """The params of one param group, mapped one after another onto flat host buffers."""
 
     group_index: int
     params: list[torch.nn.Parameter]
+    names: list[str]
     offsets: list[int]
+    sizes: list[int]
     numel: int
-    param_flat: torch.Tensor = field(repr=False)
-    grad_flat: torch.Tensor = field(repr=False)
     master: torch.Tensor = field(repr=False)
     exp_avg: torch.Tensor = field(repr=False)
     exp_avg_sq: torch.Tensor = field(repr=False)
     grad32: torch.Tensor = field(repr=False)
+    steps: list[int] = field(repr=False)  # per param: optimizer steps taken
+    step_tensors: list[torch.Tensor] = field(repr=False)  # the same, as torch's state["step"] tensors
 
     def param_slice(self, i: int) -> slice:
-        return slice(self.offsets[i], self.offsets[i] + self.params[i].numel())
-
-    def grad_view(self, i: int) -> torch.Tensor:
-        return self.grad_flat[self.param_slice(i)].view_as(self.params[i])
+        return slice(self.offsets[i], self.offsets[i] + self.sizes[i])
 
 
-@dataclass
+@dataclass(frozen=True)
+class Piece:
+    """Elements [lo, hi) of param ``i`` (flattened) sit at [at, at + hi - lo) of their subgroup."""
+
+    i: int
+    lo: int
+    hi: int
+    at: int
+
+
+@dataclass(eq=False)
 class Subgroup:
     """A contiguous slice [start, end) of one bucket: the unit of transfer and update."""
 
@@ -51,6 +76,7 @@ class Subgroup:
     bucket: Bucket
     start: int
     end: int
+    pieces: list[Piece] = field(default_factory=list, repr=False)
 
     @property
     def numel(self) -> int:
@@ -63,107 +89,174 @@ class Subgroup:
     def _s(self, t: torch.Tensor) -> torch.Tensor:
         return t[self.start : self.end]
 
-    param = property(lambda self: self._s(self.bucket.param_flat))
-    grad = property(lambda self: self._s(self.bucket.grad_flat))
     master = property(lambda self: self._s(self.bucket.master))
     exp_avg = property(lambda self: self._s(self.bucket.exp_avg))
     exp_avg_sq = property(lambda self: self._s(self.bucket.exp_avg_sq))
     grad32 = property(lambda self: self._s(self.bucket.grad32))
 
+    def gather_grads(self, dst: torch.Tensor) -> None:
+        """dst (flat fp32, on any device) = this subgroup's gradients; a missing gradient reads as zeros."""
+        for pc in self.pieces:
+            out = dst[pc.at : pc.at + pc.hi - pc.lo]
+            grad = local(self.bucket.params[pc.i].grad)
+            if grad is None:
+                out.zero_()
+            else:
+                out.copy_(grad.reshape(-1)[pc.lo : pc.hi], non_blocking=True)
 
-def _keep_grad_in(view: torch.Tensor):
-    """A hook that moves a freshly allocated .grad (after someone set it to None) into the flat buffer."""
+    def scatter_params(self, src: torch.Tensor) -> None:
+        """The model's params = src (flat fp32, on the params' device) rounded to each param's dtype."""
+        for pc in self.pieces:
+            p = local(self.bucket.params[pc.i])
+            p.view(-1)[pc.lo : pc.hi].copy_(src[pc.at : pc.at + pc.hi - pc.lo], non_blocking=True)
 
-    def hook(p: torch.Tensor) -> None:
-        if p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
-            p.grad = view
-
-    return hook
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+    def runs(self, has_grad: list[bool]) -> list[tuple[int, int, int]]:
+        """(start, end, steps done) spans of this subgroup to update: params with a gradient, merged where
+        neighbours share a step count (one fused kernel call per span)."""
+        out: list[tuple[int, int, int]] = []
+        for pc in self.pieces:
+            if not has_grad[pc.i]:
+                continue
+            steps, end = self.bucket.steps[pc.i], pc.at + pc.hi - pc.lo
+            if out and out[-1][1] == pc.at and out[-1][2] == steps:
+                out[-1] = (out[-1][0], end, steps)
+            else:
+                out.append((pc.at, end, steps))
+        return out
 
 
 def _split(numel: int, subgroup_size: int) -> list[tuple[int, int]]:
-    """Cut [0, numel) into near-equal aligned pieces of at most about ``subgroup_size`` elements."""
+    """Cut [0, numel) into near-equal pieces of at most about ``subgroup_size`` elements."""
     count = max(1, math.ceil(numel / subgroup_size))
-    step = _aligned(math.ceil(numel / count))
+    step = math.ceil(numel / count)
     return [(s, min(s + step, numel)) for s in range(0, numel, step)]
 
 
-class Layout:
-    """All buckets and subgroups of one optimizer; owns every flat buffer, device and host."""
+def _pieces(bucket: Bucket, start: int, end: int) -> list[Piece]:
+    out = []
+    for i, (off, n) in enumerate(zip(bucket.offsets, bucket.sizes)):
+        lo, hi = max(start, off), min(end, off + n)
+        if lo < hi:
+            out.append(Piece(i, lo - off, hi - off, lo - start))
+    return out
 
-    def __init__(self, param_groups: list[dict], subgroup_size: int, device: torch.device) -> None:
-        plan = []  # (group index, dtype, params, offsets, numel)
-        for gi, group in enumerate(param_groups):
-            by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-            for p in group["params"]:
-                by_dtype.setdefault(p.dtype, []).append(p)
-            for dtype, params in by_dtype.items():
-                offsets, n = [], 0
-                for p in params:
-                    offsets.append(n)
-                    n += _aligned(p.numel())
-                plan.append((gi, dtype, params, offsets, n))
-        self.numel = sum(entry[-1] for entry in plan)
+
+class Layout:
+    """All buckets and subgroups of one optimizer; owns the host buffers and the per-param bookkeeping."""
+
+    def __init__(self, groups: list[tuple[list[torch.nn.Parameter], list[str]]], subgroup_size: int,
+                 device: torch.device) -> None:
         self.device = device
+        sizes = [[local(p).numel() for p in params] for params, _ in groups]
+        self.numel = sum(map(sum, sizes))
         pin = device.type == "cuda"
         check_host_capacity(self.numel * HOST_BYTES_PER_ELEMENT, "the optimizer's host buffers")
-
         self.buckets: list[Bucket] = []
         self.subgroups: list[Subgroup] = []
-        for gi, dtype, params, offsets, n in plan:
-            bucket = self._build_bucket(gi, dtype, params, offsets, n, pin)
+        for gi, ((params, names), numels) in enumerate(zip(groups, sizes)):
+            if not params:
+                continue
+            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            n = sum(numels)
+            specs = [HostSpec(n, torch.float32, zero=k != "master") for k in _HOST_BUFFERS]
+            host = dict(zip(_HOST_BUFFERS, host_empty_many(specs, pin, progress="pinning optimizer states")))
+            bucket = Bucket(gi, list(params), list(names), offsets, numels, n, **host, steps=[0] * len(params),
+                            step_tensors=[torch.zeros(()) for _ in params])
             self.buckets.append(bucket)
             for start, end in _split(n, subgroup_size) if n else ():
-                self.subgroups.append(Subgroup(len(self.subgroups), bucket, start, end))
-        for sg in self.subgroups:  # fp32 masters from the model's current weights, one subgroup at a time
-            sg.master.copy_(sg.param)
+                self.subgroups.append(Subgroup(len(self.subgroups), bucket, start, end, _pieces(bucket, start, end)))
+        self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
+        self._seen: dict[int, tuple[int, int]] = {}
+        with torch.no_grad():
+            for b in self.buckets:
+                for i in range(len(b.params)):
+                    self.take_param(b, i)
 
-    @staticmethod
-    def _build_bucket(gi, dtype, params, offsets, n, pin) -> Bucket:
-        device = params[0].device
-        param_flat = torch.zeros(n, dtype=dtype, device=device)
-        grad_flat = torch.zeros(n, dtype=dtype, device=device)
-        host = {k: host_empty(n, torch.float32, pin) for k in ("master", "exp_avg", "exp_avg_sq", "grad32")}
-        host["exp_avg"].zero_()
-        host["exp_avg_sq"].zero_()
-        host["grad32"].zero_()
-        bucket = Bucket(gi, params, offsets, n, param_flat, grad_flat, **host)
-        for i, p in enumerate(params):
-            view = param_flat[bucket.param_slice(i)].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            if p.grad is not None:
-                bucket.grad_view(i).copy_(p.grad)
-            p.grad = bucket.grad_view(i)
-            p.register_post_accumulate_grad_hook(_keep_grad_in(bucket.grad_view(i)))
-        return bucket
+    # ---- the masters follow the model --------------------------------------------------------------
+    def take_param(self, b: Bucket, i: int) -> None:
+        """Master of param i = the model's value now (exact: every param dtype widens to fp32). Up-cast on
+        the param's device, so the copy to the host is one DMA into pinned memory."""
+        b.master[b.param_slice(i)].copy_(local(b.params[i]).reshape(-1).float())
+        self._note(b.params[i])
 
-    def sync_grads(self) -> None:
-        """Make every param's .grad the view into its flat buffer again.
+    def _note(self, p: torch.Tensor) -> None:
+        t = local(p)
+        self._seen[id(p)] = (t._version, t.data_ptr())
 
-        Someone (``model.zero_grad()``, a framework) may have set ``p.grad = None`` or replaced it; the
-        accumulate hook copies fresh grads back, and a param that got no gradient counts as zero.
+    def record_writes(self) -> None:
+        """Remember every param's version after our own writes (the update, a loaded state_dict)."""
+        for b in self.buckets:
+            for p in b.params:
+                self._note(p)
+
+    @torch.no_grad()
+    def take_edits(self) -> list[str]:
+        """Masters of params changed outside the optimizer since our last write := their new values.
+
+        An in-place edit (``model.load_state_dict``, ``p.copy_`` under no_grad) bumps the param's version;
+        a new tensor behind it (``p.data = t``) changes its storage. Returns the edited params' names.
         """
+        edited = []
         for b in self.buckets:
             for i, p in enumerate(b.params):
-                view = b.grad_view(i)
-                if p.grad is None:
-                    view.zero_()
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                else:
-                    continue
-                p.grad = view
+                t = local(p)
+                if self._seen[id(p)] != (t._version, t.data_ptr()):
+                    self.take_param(b, i)
+                    edited.append(b.names[i])
+        return edited
 
-    def grad_views(self) -> list[torch.Tensor]:
-        return [b.grad_view(i) for b in self.buckets for i in range(len(b.params))]
-
-    def zero_grad(self) -> None:
+    def check_unchanged(self, module: torch.nn.Module | None) -> None:
+        """Refuse a step on params whose dtype, device or shape changed, or that left the model."""
         for b in self.buckets:
-            b.grad_flat.zero_()
-        self.sync_grads()
+            for i, p in enumerate(b.params):
+                t = local(p)
+                what = None
+                if t.dtype != self.dtypes[id(p)]:
+                    what = f"its dtype changed from {self.dtypes[id(p)]} to {t.dtype} (model.half()/.float()/.to())"
+                elif t.device.type != self.device.type or (self.device.index is not None
+                                                           and t.device.index != self.device.index):
+                    what = f"it moved from {self.device} to {t.device}"
+                elif t.numel() != b.sizes[i]:
+                    what = f"its size changed to {t.numel()} elements"
+                if what:
+                    raise RuntimeError(f"param {b.names[i]}: {what} after the optimizer was built. The optimizer "
+                                       "would update buffers the model no longer uses: change dtype or device "
+                                       "before building DeepOptimizerStates (or build a new one and load_state_dict)")
+        if module is not None:
+            live = {id(p) for p in module.parameters()}
+            for b in self.buckets:
+                for i, p in enumerate(b.params):
+                    if id(p) not in live:
+                        raise RuntimeError(f"param {b.names[i]} is no longer a param of the model (replaced by a "
+                                           "new Parameter?): its updates would be lost. Build the optimizer after "
+                                           "replacing params, or copy new values into the existing param")
+
+    # ---- gradients and steps ------------------------------------------------------------------------
+    def has_grad(self) -> list[list[bool]]:
+        """Per bucket, per param: whether it has a gradient this step (torch skips params whose grad is None)."""
+        out = []
+        for b in self.buckets:
+            flags = []
+            for i, p in enumerate(b.params):
+                g = p.grad
+                if g is not None and (g.is_sparse or local(g).layout != torch.strided):
+                    raise RuntimeError(f"param {b.names[i]} has a sparse gradient: DeepOptimizerStates (like torch's "
+                                       "fused AdamW) needs dense gradients; use sparse=False in the embedding")
+                flags.append(g is not None)
+            out.append(flags)
+        return out
+
+    def grads(self) -> list[torch.Tensor]:
+        """The local gradients that exist now."""
+        return [local(p.grad) for b in self.buckets for p in b.params if p.grad is not None]
+
+    def advance_steps(self, has_grad: list[list[bool]]) -> None:
+        for b, flags in zip(self.buckets, has_grad):
+            for i, flag in enumerate(flags):
+                if flag:
+                    b.steps[i] += 1
+                    b.step_tensors[i].fill_(b.steps[i])
+
+    def bytes(self) -> dict[str, int]:
+        """Host bytes the layout holds (pinned on a GPU machine)."""
+        return {"host": self.numel * HOST_BYTES_PER_ELEMENT}

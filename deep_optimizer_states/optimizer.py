@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+import warnings
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -12,70 +13,81 @@ from . import state_io
 from .adam import AdamHyper, check_group
 from .engine import Engine, Job, UpdateStats
 from .grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
-from .layout import Layout
+from .layout import Layout, local
 from .plan import Plan, Planner
 from .schedule import Placement, Schedule
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _frozen(p) -> bool:
-    """A floating-point tensor that needs no gradient: torch's AdamW never updates it, so we leave it out."""
-    return isinstance(p, torch.Tensor) and p.is_floating_point() and not p.requires_grad
+NONFINITE_POLICIES = ("skip", "raise")
 
 
 class DeepOptimizerStates(torch.optim.Optimizer):
     """AdamW (or Adam) whose fp32 master weights and moments live in pinned host memory.
 
-    Params must share one device (a GPU, or the CPU for testing). They become views into flat per-bucket
-    device buffers, and their grads views into flat grad buffers. Each step updates the subgroups either
-    on the CPU or staged through the GPU, as ``schedule`` says: "cpu" (ZeRO-Offload), "gpu" (every subgroup
-    staged), an int k (one subgroup in every k staged), or "auto".
+    Params must share one device (a GPU, or the CPU for testing); they and their grads stay the model's own
+    tensors. Each step updates the subgroups either on the CPU or staged through the GPU, as ``schedule``
+    says: "cpu" (ZeRO-Offload), "gpu" (every subgroup staged), an int k (one subgroup in every k staged), or
+    "auto" (the calibrated performance model chooses; calibration runs at the first step, or at
+    ``calibrate()``).
 
-    Results equal ``torch.optim.AdamW(fused=True)`` applied to fp32 master weights; bf16/fp16 params hold
-    the masters rounded to their dtype. ``zero_grad`` zeroes the flat grad buffers in place (``set_to_none``
-    is accepted for compatibility; grads stay allocated, and a param whose grad is missing at ``step`` is
-    updated with a zero gradient). fp16 params use dynamic loss scaling: backpropagate
-    ``opt.scale_loss(loss)``.
+    Results equal ``torch.optim.AdamW(fused=True)`` applied to fp32 master weights; bf16/fp16 params hold the
+    masters rounded to their dtype. As in torch, a param whose ``.grad`` is None is left alone (no decay, no
+    moment update, no step count), params with ``requires_grad=False`` are kept in ``param_groups`` but get
+    no host memory, and a weight edited in place after construction (``model.load_state_dict``) becomes the
+    new master. fp16 params use dynamic loss scaling: backpropagate ``opt.scale_loss(loss)``. A step whose
+    gradients hold inf/nan is skipped with a warning (``nonfinite="skip"``) or raises (``"raise"``).
     """
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict] | nn.Module,
+        params: Iterable[torch.Tensor] | Iterable[dict] | Iterable[tuple[str, torch.Tensor]] | nn.Module,
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
         adamw: bool = True,
         subgroup_size: int = 25_000_000,
         schedule: Schedule = "auto",
         max_grad_norm: float | None = None,
         loss_scale: str | float | None = "auto",
+        nonfinite: str = "skip",
         staging_slots: int = 2,
         device: str | torch.device | None = None,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
     ) -> None:
+        self.layout: Layout | None = None
         self.module = params if isinstance(params, nn.Module) else None
         if self.module is not None:
-            params = [p for p in self.module.parameters() if p.requires_grad]
+            _refuse_sparse_modules(self.module)
+            params = list(self.module.named_parameters())
         if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, int) or subgroup_size <= 0:
             raise ValueError(f"subgroup_size must be an int > 0 (elements per subgroup), got {subgroup_size!r}")
         if isinstance(staging_slots, bool) or not isinstance(staging_slots, int) or staging_slots < 1:
             raise ValueError(f"staging_slots must be an int >= 1, got {staging_slots!r}")
         if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a finite float > 0 or None, got {max_grad_norm!r}")
-        self.layout: Layout | None = None
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
+                        fused=fused, decoupled_weight_decay=adamw)
+        super().__init__(params, defaults)
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
         self.device = self._check_params(device)
-        self.layout = Layout(self.param_groups, subgroup_size, self.device)
+        self.layout = Layout(self._trainable(), subgroup_size, self.device)
         self.engine = Engine(self.device)
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots)
         self.schedule = schedule
         self.scaler = self._make_scaler(loss_scale)
-        self._steps = [0] * len(self.param_groups)
-        self._step_tensors = [torch.zeros(()) for _ in self.param_groups]
+        self.skipped_steps = 0
         self._scaled_since_step = False
         self._clip_once: float | None = None
         self._norm_cache: torch.Tensor | None = None
@@ -85,39 +97,82 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     # ---- construction -------------------------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
-        """Validate and add a group; only during construction (the flat layout is built once)."""
+        """Validate and add a group; only during construction (the host layout is built once).
+
+        Accepts what torch.optim accepts (tensors, or (name, tensor) pairs); the same Parameter given twice
+        (tied weights, under two names) is kept once.
+        """
         if getattr(self, "layout", None) is not None:
-            raise RuntimeError("DeepOptimizerStates packs its params once: add_param_group after construction is "
+            raise RuntimeError("DeepOptimizerStates maps its params once: add_param_group after construction is "
                                "not supported; build a new optimizer with all param groups")
-        if isinstance(param_group.get("params"), torch.Tensor):
-            param_group["params"] = [param_group["params"]]
-        unique = list(dict.fromkeys(param_group["params"]))  # tied weights (the same Parameter) once
-        param_group = {**param_group, "params": [p for p in unique if not _frozen(p)]}
-        super().add_param_group(param_group)
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        raw = param_group["params"]
+        if isinstance(raw, set):
+            raise TypeError("params must be an ordered collection (a list), not a set")
+        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        named = [x for x in raw if isinstance(x, tuple)]
+        if named and len(named) != len(raw):
+            raise ValueError("give every param with a name, or none: some param names are missing")
+        pairs = named if named else [(None, x) for x in raw]
+        seen, params, names = set(), [], []
+        for name, p in pairs:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"the optimizer can only optimize tensors, got {type(p).__name__}")
+            if id(p) not in seen:  # tied weights (the same Parameter) once
+                seen.add(id(p))
+                params.append(p)
+                names.append(name)
+        group = {**param_group, "params": params}
+        if named:
+            group["param_names"] = names
+        super().add_param_group(group)
         check_group(self.param_groups[-1])
 
+    def _names(self) -> list[list[str]]:
+        module_names = {}
+        if self.module is not None:
+            module_names = {id(p): n for n, p in self.module.named_parameters()}
+        out = []
+        for gi, g in enumerate(self.param_groups):
+            given = g.get("param_names") or [None] * len(g["params"])
+            out.append([n or module_names.get(id(p)) or f"{gi}.{i} (shape {tuple(p.shape)})"
+                        for i, (n, p) in enumerate(zip(given, g["params"]))])
+        return out
+
+    def _trainable(self) -> list[tuple[list[torch.Tensor], list[str]]]:
+        """Per group, the params that get host memory: those that require a gradient (torch never updates
+        the others; a LoRA's frozen base model must not cost 16 bytes per param of host memory)."""
+        return [([p for p in g["params"] if p.requires_grad],
+                 [n for n, p in zip(names, g["params"]) if p.requires_grad])
+                for g, names in zip(self.param_groups, self._names())]
+
     def _check_params(self, device: str | torch.device | None) -> torch.device:
-        params = [p for g in self.param_groups for p in g["params"]]
-        if not params:
-            raise ValueError("no trainable params: every param has requires_grad=False")
-        names = {id(p): n for n, p in self.module.named_parameters()} if self.module is not None else {}
-        for p in params:
-            if p.dtype not in SUPPORTED_DTYPES:
-                name = names.get(id(p), f"of shape {tuple(p.shape)}")
+        names = self._names()
+        given = [(n, p) for g, gn in zip(self.param_groups, names) for n, p in zip(gn, g["params"])]
+        for name, p in given:
+            if p.dtype not in SUPPORTED_DTYPES and (p.requires_grad or not p.is_floating_point()):
                 raise TypeError(f"param {name} has dtype {p.dtype}; DeepOptimizerStates supports float32, bfloat16 "
                                 "and float16 params (fp32 masters). Convert it, or leave it out of the optimizer")
-        devices = sorted({str(p.device) for p in params})
+        params = [(n, p) for n, p in given if p.requires_grad]
+        if not params:
+            raise ValueError("no trainable params: every param has requires_grad=False")
+        for name, p in params:
+            if not local(p).is_contiguous():
+                raise ValueError(f"param {name} is not contiguous: make it so before building the optimizer "
+                                 "(with torch.no_grad(): p.data = p.data.contiguous())")
+        devices = sorted({str(local(p).device) for _, p in params})
         if len(devices) > 1:
             raise ValueError(f"params are on several devices ({', '.join(devices)}); move the model to one device "
                              "first (one optimizer per GPU)")
-        found = params[0].device
+        found = local(params[0][1]).device
         if device is not None and torch.device(device) != found and str(torch.device(device)) != found.type:
             raise ValueError(f"device={str(device)!r} but the params are on {found}; move the model there or "
                              "drop the device argument")
         return found
 
     def _make_scaler(self, loss_scale: str | float | None) -> DynamicLossScaler | None:
-        fp16 = any(b.param_flat.dtype == torch.float16 for b in self.layout.buckets)
+        fp16 = any(p.dtype == torch.float16 for b in self.layout.buckets for p in b.params)
         if loss_scale == "auto":
             return DynamicLossScaler() if fp16 else None
         if loss_scale == "dynamic":
@@ -131,11 +186,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _expose_state(self) -> None:
         """opt.state[p] holds views into the host buffers, as torch's AdamW holds its tensors."""
         for b in self.layout.buckets:
-            step = self._step_tensors[b.group_index]
             for i, p in enumerate(b.params):
                 s = b.param_slice(i)
-                self.state[p] = {"step": step, **{k: getattr(b, k)[s].view(p.shape)
-                                                  for k in ("exp_avg", "exp_avg_sq", "master")}}
+                shape = local(p).shape
+                self.state[p] = {"step": b.step_tensors[i], **{k: getattr(b, k)[s].view(shape)
+                                                               for k in ("exp_avg", "exp_avg_sq", "master")}}
 
     # ---- schedule -----------------------------------------------------------------------------------
     @property
@@ -168,72 +223,151 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Clip this step's gradients to global L2 norm ``max_norm`` (applied in ``step``); returns the norm."""
         if not (max_norm > 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm must be a finite float > 0, got {max_norm!r}")
-        self.layout.sync_grads()
-        self._norm_cache = total_norm(self.layout.grad_views())
+        self._open()
+        self._norm_cache = total_norm(self.layout.grads())
         self._clip_once = float(max_norm)
         return self._norm_cache / self.scaler.scale if self.scaler is not None else self._norm_cache
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
-        """One AdamW step for every param; returns when params and states are all updated."""
+        """One AdamW step for every param that has a gradient; returns when params and states are updated."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._open()
         for group in self.param_groups:
             check_group(group)
-        self.layout.sync_grads()
+        self.layout.check_unchanged(self.module)
+        self._refuse_new_grads()
+        self.layout.take_edits()
+        has_grad = self.layout.has_grad()
+        if not any(map(any, has_grad)):  # torch: nothing to do when no param has a gradient
+            self._norm_cache, self._clip_once = None, None
+            return loss
         multipliers = self._grad_multipliers()
-        if multipliers is None:  # fp16 overflow: nothing updated, the scale backed off
+        if multipliers is None:  # inf/nan gradients: nothing updated
             return loss
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         plan = self.planner.refresh()
-        jobs = [Job(sg, place, hyper[sg.group_index], self._steps[sg.group_index])
-                for sg, place in zip(self.layout.subgroups, plan.placements)]
-        self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1))
+        position = {id(b): k for k, b in enumerate(self.layout.buckets)}
+        jobs = []
+        for sg, place in zip(self.layout.subgroups, plan.placements):
+            runs = sg.runs(has_grad[position[id(sg.bucket)]])
+            if runs:
+                jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
+        try:
+            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1))
+        finally:
+            self.layout.record_writes()
         self.planner.observe(self.last_update)
-        for gi in range(len(self._steps)):
-            self._steps[gi] += 1
-            self._step_tensors[gi].fill_(self._steps[gi])
+        self.layout.advance_steps(has_grad)
         return loss
 
+    def _refuse_new_grads(self) -> None:
+        """A param frozen at construction has no host memory: refuse to silently ignore its new gradient."""
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is not None and p not in self.state:
+                    raise RuntimeError(f"a param of shape {tuple(p.shape)} had requires_grad=False when the optimizer "
+                                       "was built and now has a gradient: it has no optimizer state. Build the "
+                                       "optimizer after unfreezing it")
+
     def _grad_multipliers(self) -> list[torch.Tensor] | None:
-        """Unscale and clip factors for this step, or None when fp16 gradients overflowed."""
+        """Unscale and clip factors for this step, or None when the step is skipped (inf/nan gradients)."""
         clip = self._clip_once if self._clip_once is not None else self.max_grad_norm
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
-        if self.scaler is None and clip is None:
-            return []
         if raw is None:
-            raw = total_norm(self.layout.grad_views())
+            raw = total_norm(self.layout.grads())
+        finite = bool(torch.isfinite(raw))  # one device sync per step: no update is ever half applied
         norm, multipliers = raw, []
         if self.scaler is not None:
             if not self._scaled_since_step:
                 raise RuntimeError("fp16 params need a scaled loss: call opt.scale_loss(loss).backward() "
-                                   "(or pass loss_scale=None to DeepOptimizerStates to train unscaled)")
+                                   "(or pass loss_scale=None to DeepOptimizerStates to train unscaled). Under a "
+                                   "framework that never calls scale_loss (the Hugging Face Trainer), train bf16 "
+                                   "or fp32 params with autocast instead of fp16 params")
             self._scaled_since_step = False
             inv_scale = 1.0 / self.scaler.scale
-            finite = bool(torch.isfinite(raw))
             self.scaler.update(found_inf=not finite)
-            if not finite:
+            if not finite:  # an fp16 overflow is expected now and then: skip quietly, the scale backs off
                 self.last_grad_norm = raw
+                self.skipped_steps += 1
                 return None
             multipliers.append(torch.full((), inv_scale, device=self.device))
             norm = raw * inv_scale
+        self.last_grad_norm = norm
+        if not finite:
+            if self.nonfinite == "raise":
+                raise FloatingPointError(f"the gradients hold inf/nan (global norm {norm.item()}); nothing was "
+                                         "updated. Pass nonfinite='skip' to skip such steps instead")
+            self.skipped_steps += 1
+            warnings.warn(f"step skipped: the gradients hold inf/nan (global norm {norm.item()}); params and "
+                          f"optimizer states are unchanged ({self.skipped_steps} skipped so far)", RuntimeWarning)
+            return None
         if clip is not None:
             multipliers.append(clip_coefficient(norm, clip))
-        self.last_grad_norm = norm
         return multipliers
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradient buffers (in place, whatever ``set_to_none`` says)."""
-        self.layout.zero_grad()
+        """As torch: grads to None (or zeroed in place with ``set_to_none=False``)."""
+        super().zero_grad(set_to_none)
         self._norm_cache = None
+
+    def calibrate(self) -> None:
+        """Measure this machine's rates now (else "auto" does it at the first step); cached per machine."""
+        self.planner.calibrate()
+
+    # ---- lifetime -----------------------------------------------------------------------------------
+    def _open(self) -> None:
+        if self.layout is None:
+            raise RuntimeError("this DeepOptimizerStates was closed; build a new one")
+
+    def close(self) -> None:
+        """Free the pinned host memory and stop the CPU worker now, instead of when garbage collected."""
+        if self.layout is None:
+            return
+        self.engine.close()
+        self.state.clear()
+        self.layout = None
+
+    def __enter__(self) -> "DeepOptimizerStates":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any):
+        raise TypeError("DeepOptimizerStates cannot be copied or pickled (it owns pinned host memory, CUDA streams "
+                        "and a worker thread): save opt.state_dict() and load it into a new optimizer")
 
     # ---- checkpoints --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """torch's layout (per-param step/exp_avg/exp_avg_sq) plus fp32 ``master_param`` and the loss scaler."""
-        return state_io.pack(self)
+        self._open()
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        sd = state_io.pack(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
+        return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a state_dict of ours (or of torch.optim.AdamW); validated whole before anything is written."""
+        """Load a state_dict of ours (or of torch.optim.AdamW / Adam); validated whole before anything is written."""
+        self._open()
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state_io.load(self, state_dict)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+
+def _refuse_sparse_modules(module: nn.Module) -> None:
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+            raise ValueError(f"module {name or type(m).__name__} has sparse=True: DeepOptimizerStates (like torch's "
+                             "fused AdamW) needs dense gradients; build it with sparse=False")

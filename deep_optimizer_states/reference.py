@@ -10,6 +10,9 @@ import torch
 from .optimizer import DeepOptimizerStates
 
 
+_NOT_COPIED = ("params", "initial_lr", "param_names", "fused", "foreach")  # the reference always runs fused
+
+
 class ReferenceAdamW:
     """torch's fused optimizer over fp32 copies of ``opt``'s masters, with the same param groups."""
 
@@ -21,10 +24,12 @@ class ReferenceAdamW:
         for g in opt.param_groups:
             copies = []
             for p in g["params"]:
+                if "master" not in opt.state[p]:  # frozen when ``opt`` was built: neither optimizer updates it
+                    continue
                 m = opt.state[p]["master"].detach().to(p.device, copy=True).requires_grad_(True)
                 self.masters[p] = m
                 copies.append(m)
-            groups.append({**{k: v for k, v in g.items() if k not in ("params", "initial_lr")}, "params": copies})
+            groups.append({**{k: v for k, v in g.items() if k not in _NOT_COPIED}, "params": copies})
         cls = cls or (torch.optim.AdamW if opt.adamw else torch.optim.Adam)
         self.opt = cls(groups, fused=True)
         self.scheduler = scheduler(self.opt) if scheduler else None
@@ -32,8 +37,8 @@ class ReferenceAdamW:
     @torch.no_grad()
     def step(self, max_norm: float | None = None, unscale: float = 1.0) -> torch.Tensor | None:
         """Step on our current gradients (as fp32, times ``unscale``), clipped to ``max_norm``; returns the norm."""
-        for p, m in self.masters.items():
-            m.grad = p.grad.detach().to(torch.float32, copy=True).to(m.device) * unscale
+        for p, m in self.masters.items():  # a param without a gradient is skipped by torch, as by us
+            m.grad = None if p.grad is None else p.grad.detach().to(torch.float32, copy=True).to(m.device) * unscale
         norm = torch.nn.utils.clip_grad_norm_(list(self.masters.values()), max_norm) if max_norm else None
         self.opt.step()
         if self.scheduler:

@@ -1,98 +1,123 @@
 """state_dict / load_state_dict for DeepOptimizerStates.
 
-The format is torch.optim.AdamW's (``state[i] = {step, exp_avg, exp_avg_sq}``, ``param_groups`` with param
-indices) plus ``master_param`` (the fp32 master weight) per param and a ``dos`` entry for the loss scaler.
-So a torch AdamW checkpoint loads into us (masters are then taken from the model's params), and ours into
-torch AdamW. Loading validates the whole dict first: a mismatch raises before any buffer is written.
+The format is torch.optim.AdamW's (``state[i] = {step, exp_avg, exp_avg_sq}`` for every param that has
+taken a step, ``param_groups`` with param indices) plus ``master_param`` (the fp32 master weight) per param
+and a ``dos`` entry for the loss scaler. So a torch AdamW (or Adam) checkpoint loads into us (masters then
+come from the model's params) and ours into torch. Loading validates the whole dict first: a mismatch or a
+corrupt value (a NaN moment, a negative ``exp_avg_sq``) raises before any buffer is written.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
 from .adam import check_group
+from .layout import local
 
 if TYPE_CHECKING:
     from .optimizer import DeepOptimizerStates
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def pack(opt: "DeepOptimizerStates") -> dict:
-    """Per-param views of the live host buffers (as torch's own state_dict, copy it to keep a snapshot)."""
+    """Per-param views of the live host buffers (as torch's own state_dict: copy it to keep a snapshot)."""
+    steps = {id(p): b.steps[i] for b in opt.layout.buckets for i, p in enumerate(b.params)}
     state, groups, index = {}, [], 0
-    for gi, group in enumerate(opt.param_groups):
+    for group in opt.param_groups:
         ids = []
         for p in group["params"]:
-            live = opt.state[p]
-            state[index] = {"step": torch.tensor(float(opt._steps[gi])), "exp_avg": live["exp_avg"],
-                            "exp_avg_sq": live["exp_avg_sq"], "master_param": live["master"]}
+            if steps.get(id(p), 0) > 0:  # as torch: no entry before a param's first step
+                live = opt.state[p]
+                state[index] = {"step": torch.tensor(float(steps[id(p)])), "exp_avg": live["exp_avg"],
+                                "exp_avg_sq": live["exp_avg_sq"], "master_param": live["master"]}
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     scaler = opt.scaler.state_dict() if opt.scaler is not None else None
-    return {"state": state, "param_groups": groups, "dos": {"version": FORMAT_VERSION, "loss_scaler": scaler}}
+    return {"state": state, "param_groups": groups,
+            "dos": {"version": FORMAT_VERSION, "loss_scaler": scaler, "skipped_steps": opt.skipped_steps}}
 
 
-def _check(opt: "DeepOptimizerStates", sd: dict) -> list[int]:
-    """Raise ValueError on the first mismatch; return each group's step count."""
-    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+def _step_count(idx, entry: dict) -> int:
+    step = entry["step"]
+    value = float(step.item() if isinstance(step, torch.Tensor) else step)
+    if not (value >= 0 and value == int(value)):
+        raise ValueError(f"param {idx}: step {value} is not a whole number >= 0: the state_dict is corrupt")
+    return int(value)
+
+
+def _check_entry(idx, entry: dict, p: torch.Tensor) -> int:
+    """Validate one param's saved state against the param; return its step count."""
+    if not isinstance(entry, Mapping) or any(k not in entry for k in (*_MOMENTS, "step")):
+        raise ValueError(f"param {idx}: state_dict entry lacks step/exp_avg/exp_avg_sq")
+    shape = tuple(local(p).shape)
+    for key in (*_MOMENTS, "master_param"):
+        if key not in entry:
+            continue
+        t = entry[key]
+        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+            raise ValueError(f"param {idx} ({key}): expected a floating-point tensor, got {type(t).__name__}")
+        t = local(t)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"param {idx} ({key}): state_dict shape {tuple(t.shape)} does not match the param's "
+                             f"shape {shape}: was it saved for another model?")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"param {idx} ({key}) holds inf/nan: the state_dict is corrupt")
+        if key == "exp_avg_sq" and bool((t < 0).any()):
+            raise ValueError(f"param {idx} (exp_avg_sq) holds negative values: the state_dict is corrupt")
+    return _step_count(idx, entry)
+
+
+def _check(opt: "DeepOptimizerStates", sd: dict) -> None:
+    """Raise ValueError on the first mismatch or corrupt value."""
+    if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("not an optimizer state_dict: expected the keys 'state' and 'param_groups'")
     saved_groups, state = sd["param_groups"], sd["state"]
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(opt.param_groups)}")
-    steps = []
     for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
         check_group({**group, **saved})
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
                              f"this optimizer {len(group['params'])}: was it saved for another model?")
-        group_steps = set()
         for idx, p in zip(saved["params"], group["params"]):
             entry = state.get(idx, state.get(str(idx)))
-            if entry is None:
-                group_steps.add(0)
-                continue
-            for key in (*_MOMENTS, "master_param"):
-                if key in entry and not (isinstance(entry[key], torch.Tensor) and entry[key].is_floating_point()):
-                    raise ValueError(f"param {idx} ({key}): expected a floating-point tensor, got "
-                                     f"{type(entry[key]).__name__}")
-                if key in entry and tuple(entry[key].shape) != tuple(p.shape):
-                    raise ValueError(f"param {idx} ({key}): state_dict shape {tuple(entry[key].shape)} does not "
-                                     f"match the param's shape {tuple(p.shape)}: was it saved for another model?")
-            if any(k not in entry for k in (*_MOMENTS, "step")):
-                raise ValueError(f"param {idx}: state_dict entry lacks step/exp_avg/exp_avg_sq")
-            group_steps.add(int(float(entry["step"])))
-        if len(group_steps) > 1:
-            raise ValueError(f"param group {gi}: params have different step counts {sorted(group_steps)}; "
-                             "DeepOptimizerStates steps a whole group together")
-        steps.append(group_steps.pop() if group_steps else 0)
-    return steps
+            if entry is not None and p in opt.state:
+                _check_entry(idx, entry, p)
 
 
+@torch.no_grad()
 def load(opt: "DeepOptimizerStates", sd: dict) -> None:
-    steps = _check(opt, sd)
+    _check(opt, sd)
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    with torch.no_grad():
-        for saved, group in zip(sd["param_groups"], opt.param_groups):
-            for idx, p in zip(saved["params"], group["params"]):
-                entry = sd["state"].get(idx, sd["state"].get(str(idx)))
-                live = opt.state[p]
-                entry = entry or {}
-                for key in _MOMENTS:
-                    if key in entry:
-                        live[key].copy_(entry[key])
-                    else:
-                        live[key].zero_()
-                live["master"].copy_(entry.get("master_param", p.detach()))
-                p.copy_(live["master"])  # the model's params are the masters, rounded
-    for gi, n in enumerate(steps):
-        opt._steps[gi] = n
-        opt._step_tensors[gi].fill_(n)
-    scaler = (sd.get("dos") or {}).get("loss_scaler")
-    if scaler is not None and opt.scaler is not None:
-        opt.scaler.load_state_dict(scaler)
+    where = {id(p): (b, i) for b in opt.layout.buckets for i, p in enumerate(b.params)}
+    for saved, group in zip(sd["param_groups"], opt.param_groups):
+        for idx, p in zip(saved["params"], group["params"]):
+            if id(p) not in where:  # frozen when the optimizer was built: it has no state to load into
+                continue
+            b, i = where[id(p)]
+            entry = sd["state"].get(idx, sd["state"].get(str(idx))) or {}
+            live = opt.state[p]
+            for key in _MOMENTS:
+                if key in entry:
+                    live[key].copy_(local(entry[key]))
+                else:
+                    live[key].zero_()
+            if "master_param" in entry:
+                live["master"].copy_(local(entry["master_param"]))
+                local(p).copy_(live["master"])  # the model's params are the masters, rounded
+            else:  # a torch checkpoint: the model's weights are the masters (later edits are taken too)
+                opt.layout.take_param(b, i)
+            b.steps[i] = _step_count(idx, entry) if entry else 0
+            b.step_tensors[i].fill_(b.steps[i])
+    opt.layout.record_writes()
+    dos = sd.get("dos") or {}
+    if dos.get("loss_scaler") is not None and opt.scaler is not None:
+        opt.scaler.load_state_dict(dos["loss_scaler"])
+    opt.skipped_steps = int(dos.get("skipped_steps", opt.skipped_steps))

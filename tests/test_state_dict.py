@@ -93,7 +93,11 @@ BAD_DICTS = {
     "more groups": lambda sd: sd["param_groups"].append(dict(sd["param_groups"][0])),
     "negative lr": lambda sd: sd["param_groups"][0].update(lr=-1.0),
     "not a state_dict": lambda sd: sd.pop("state"),
-    "uneven steps": lambda sd: sd["state"][1].update(step=torch.tensor(99.0)),
+    "fractional step": lambda sd: sd["state"][1].update(step=torch.tensor(2.5)),
+    "negative step": lambda sd: sd["state"][1].update(step=torch.tensor(-1.0)),
+    "negative exp_avg_sq": lambda sd: sd["state"][3]["exp_avg_sq"].neg_().sub_(1.0),
+    "nan exp_avg": lambda sd: sd["state"][0]["exp_avg"].view(-1).__setitem__(7, float("nan")),
+    "inf master": lambda sd: sd["state"][2]["master_param"].view(-1).__setitem__(0, float("inf")),
     "moment not a tensor": lambda sd: sd["state"][2].update(exp_avg_sq=[0.0] * 4),
     "integer moment": lambda sd: sd["state"][0].update(exp_avg=torch.zeros(96, 32, dtype=torch.int32)),
 }

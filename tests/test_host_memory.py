@@ -1,0 +1,212 @@
+"""Host buffers: sizes, zero-fill, the page-aligned chunks they are faulted in and registered by, the
+capacity check and the progress bar's threshold. CPU only and fast, except the GPU-marked pinning tests."""
+
+import threading
+
+import pytest
+import torch
+
+from deep_optimizer_states import host_memory as hm
+from deep_optimizer_states.host_memory import HostSpec
+
+PAGE = hm.PAGE_BYTES
+ODD_SIZES = [0, 1, 2, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE - 1, 17 * PAGE + 5, 1000 * PAGE + 3]
+
+
+def _assert_tiles(chunks, numel):
+    """Chunks cover [0, numel) exactly once, in order, none empty."""
+    if numel == 0:
+        assert chunks == []
+        return
+    assert chunks[0][0] == 0 and chunks[-1][1] == numel
+    for (s0, e0), (s1, _) in zip(chunks, chunks[1:]):
+        assert e0 == s1
+    assert all(e > s for s, e in chunks)
+
+
+@pytest.mark.parametrize("element_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("offset", [0, 64, PAGE - 8])  # where in its page the buffer starts
+@pytest.mark.parametrize("chunk_bytes", [1, PAGE, 3 * PAGE, 3 * PAGE + 100, 1 << 20])
+@pytest.mark.parametrize("numel_bytes", ODD_SIZES)
+def test_page_chunks_cover_the_range_once_with_page_aligned_cuts(element_size, offset, chunk_bytes, numel_bytes):
+    ptr = 0x7F0000000000 + offset
+    numel = numel_bytes // element_size + (numel_bytes % element_size > 0)
+    chunks = hm.page_chunks(ptr, numel, element_size, chunk_bytes)
+    _assert_tiles(chunks, numel)
+    step = max(PAGE, chunk_bytes // PAGE * PAGE)
+    for s, _ in chunks[1:]:
+        assert (ptr + s * element_size) % PAGE == 0  # every inner cut on a page boundary
+    for s, e in chunks[1:-1]:
+        assert (e - s) * element_size == step  # middle chunks are exactly one step
+    if chunks:
+        assert (chunks[0][1] - chunks[0][0]) * element_size < step + PAGE
+
+
+def test_page_chunks_refuse_elements_that_do_not_tile_pages():
+    with pytest.raises(ValueError):
+        hm.page_chunks(0x1002, 10, 4, PAGE)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, PAGE, 10 * 2**20, 83 * 10**9])
+def test_chunk_size_is_whole_pages_and_bounded(nbytes):
+    c = hm.chunk_bytes_for(nbytes)
+    assert c % PAGE == 0 and PAGE <= c <= max(hm.MAX_CHUNK_BYTES, PAGE)
+
+
+@pytest.mark.parametrize("numel", [0, 1, PAGE // 4 - 1, PAGE // 4 + 1, 3_000_001])
+def test_buffer_chunks_of_real_tensors_tile_them(numel):
+    t = torch.empty(numel, dtype=torch.float32)
+    chunks = hm.buffer_chunks(t)
+    _assert_tiles(chunks, numel)
+    for s, _ in chunks[1:]:
+        assert (t.data_ptr() + 4 * s) % PAGE == 0
+
+
+def test_host_empty_many_sizes_dtypes_and_zero_fill(monkeypatch):
+    monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)  # many chunks even for small buffers
+    specs = [HostSpec(3_000_001, torch.float32), HostSpec(5, torch.bfloat16), HostSpec(0, torch.float32),
+             HostSpec(PAGE + 1, torch.float64, zero=False), HostSpec(1_234_567, torch.int8)]
+    tensors = hm.host_empty_many(specs, pin=False)
+    assert len(tensors) == len(specs)
+    for t, s in zip(tensors, specs):
+        assert t.shape == (s.numel,) and t.dtype == s.dtype and t.device.type == "cpu" and t.is_contiguous()
+        if s.zero:
+            assert not t.any()
+    assert len({t.data_ptr() for t in tensors if t.numel()}) == 4  # distinct buffers
+
+
+def test_host_empty_many_zero_fills_reused_memory():
+    """Freed memory can come back dirty from the allocator; zero means zero, not 'fresh pages'."""
+    dirty = torch.full((1 << 16,), 7.0)
+    del dirty
+    (t,) = hm.host_empty_many([HostSpec(1 << 16, torch.float32)], pin=False)
+    assert not t.any()
+
+
+def test_host_empty_keeps_its_signature():
+    t = hm.host_empty(PAGE + 3, torch.float32, False)
+    assert t.shape == (PAGE + 3,) and t.dtype == torch.float32 and not t.is_pinned()
+
+
+def test_specs_may_be_plain_tuples():
+    a, b = hm.host_empty_many([(10, torch.float32), (7, torch.bfloat16, False)], pin=False)
+    assert a.numel() == 10 and b.dtype == torch.bfloat16 and not a.any()
+
+
+def test_host_bytes_counts_every_buffer():
+    specs = [HostSpec(100, torch.float32), HostSpec(100, torch.bfloat16), HostSpec(3, torch.float64, False)]
+    assert hm.host_bytes(specs) == 400 + 200 + 24
+
+
+def test_parallel_chunks_runs_every_chunk_once_in_several_threads(monkeypatch):
+    monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)
+    (t,) = hm.host_empty_many([HostSpec(2_000_003, torch.float32, zero=False)], pin=False)
+    src = torch.arange(t.numel(), dtype=torch.bfloat16)
+    seen, threads = [], set()
+
+    def fn(s: int, e: int) -> None:
+        threads.add(threading.get_ident())
+        seen.append((s, e))
+        t[s:e].copy_(src[s:e])
+
+    hm.parallel_chunks(t, fn)
+    _assert_tiles(sorted(seen), t.numel())
+    assert sorted(seen) == hm.buffer_chunks(t)
+    assert torch.equal(t, src.float())
+    assert threading.get_ident() not in threads  # ran in the pool
+
+
+def test_parallel_chunks_reraises_errors():
+    t = torch.empty(10)
+
+    def fn(s, e):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        hm.parallel_chunks(t, fn)
+
+
+def test_capacity_check_names_needed_and_available(monkeypatch):
+    monkeypatch.setenv(hm.HOST_MEMORY_ENV, "1.5")
+    with pytest.raises(MemoryError, match=r"the states: 2\.00 GB needed, 1\.50 GB available"):
+        hm.check_host_capacity(2 * 10**9, "the states")
+    assert hm.check_host_capacity(10**9, "the states") == 1.5e9
+
+
+def test_host_empty_many_checks_capacity_for_the_total_before_allocating(monkeypatch):
+    monkeypatch.setenv(hm.HOST_MEMORY_ENV, "0.000001")  # 1000 bytes
+    hm.host_empty_many([HostSpec(250, torch.float32)], pin=False)  # exactly fits
+    with pytest.raises(MemoryError, match=r"0\.00 GB needed"):
+        hm.host_empty_many([HostSpec(200, torch.float32), HostSpec(200, torch.float32)], pin=False)
+
+
+def test_progress_only_for_big_allocations_that_ask_for_it():
+    assert not hm.progress_enabled(10**6, "states")
+    assert not hm.progress_enabled(hm.PROGRESS_MIN_BYTES - 1, "states")
+    assert not hm.progress_enabled(10**12, None)
+    assert hm.progress_enabled(hm.PROGRESS_MIN_BYTES, "states")
+    assert isinstance(hm._progress_bar(10**6, "states"), hm._NoBar)
+
+
+def test_progress_bar_falls_back_silently_without_tqdm(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *args, **kwargs):
+        if name.startswith("tqdm"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    bar = hm._progress_bar(10**13, "states")
+    assert isinstance(bar, hm._NoBar)
+    bar.update(5)
+    bar.close()
+
+
+def test_pageable_path_never_touches_cuda(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("touched torch.cuda")
+
+    monkeypatch.setattr(torch.cuda, "cudart", boom)
+    monkeypatch.setattr(torch.cuda, "init", boom)
+    monkeypatch.setattr(torch.cuda, "set_device", boom)
+    hm.host_empty_many([HostSpec(1_000_000, torch.float32), HostSpec(10, torch.float32, False)], pin=False)
+
+
+@pytest.mark.parametrize("numel", [1, PAGE // 4 + 1, 50_000_001])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_buffers_are_pinned_and_copies_across_chunk_cuts_work(numel, monkeypatch):
+    monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)  # many registrations, many cuts to cross
+    master, m = hm.host_empty_many([HostSpec(numel, torch.float32, zero=False), HostSpec(numel, torch.float32)],
+                                   pin=True)
+    assert master.is_pinned() and m.is_pinned() and not m.any()
+    src = torch.randn(numel, device="cuda")
+    hm.parallel_chunks(master, lambda s, e: master[s:e].copy_(src[s:e]))
+    assert torch.equal(master, src.cpu())
+    # one copy over the whole buffer spans every registration cut, both ways
+    back = torch.empty_like(src)
+    back.copy_(master, non_blocking=True)
+    m.copy_(back, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src) and torch.equal(m, master)
+    for s, _ in hm.buffer_chunks(master)[1:]:
+        assert master[s - 1 : s + 1].is_pinned()  # a view across a cut is still pinned memory
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_each_chunk_is_its_own_registration(monkeypatch):
+    """Every chunk start unregisters on its own (what the finalizer does); after that the buffer is pageable."""
+    monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)
+    (t,) = hm.host_empty_many([HostSpec(10_000_000, torch.float32)], pin=True)
+    chunks = hm.buffer_chunks(t)
+    assert len(chunks) > 1
+    cudart = torch.cuda.cudart()
+    ranges = [(t.data_ptr() + 4 * s, 4 * (e - s)) for s, e in chunks]
+    assert [int(cudart.cudaHostUnregister(p)) for p, _ in ranges] == [0] * len(ranges)
+    assert not t.is_pinned()
+    assert [int(cudart.cudaHostRegister(p, n, 0)) for p, n in ranges] == [0] * len(ranges)  # for the finalizer
+    assert t.is_pinned()
