@@ -166,11 +166,18 @@ class Layout:
             for start, end in _split(n, subgroup_size) if n else ():
                 self.subgroups.append(Subgroup(len(self.subgroups), bucket, start, end, _pieces(bucket, start, end)))
         self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
+        self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._seen: dict[int, tuple[int, int]] = {}
         with torch.no_grad():
             for b in self.buckets:
                 for i in range(len(b.params)):
                     self.take_param(b, i)
+
+    def views(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """p's master, exp_avg and exp_avg_sq: views into the host buffers, shaped like its local tensor."""
+        b, i = self.where[id(p)]
+        s, shape = b.param_slice(i), local(p).shape
+        return {k: getattr(b, k)[s].view(shape) for k in ("master", "exp_avg", "exp_avg_sq")}
 
     # ---- the masters follow the model --------------------------------------------------------------
     def take_param(self, b: Bucket, i: int) -> None:

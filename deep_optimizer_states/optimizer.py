@@ -184,13 +184,22 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         raise ValueError(f"loss_scale must be 'auto', 'dynamic', None or a float > 0, got {loss_scale!r}")
 
     def _expose_state(self) -> None:
-        """opt.state[p] holds views into the host buffers, as torch's AdamW holds its tensors."""
+        """opt.state[p] holds step, exp_avg, exp_avg_sq and master (views into host memory) for every param
+        that has taken a step; as in torch, a param's state is empty before its first step."""
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
-                s = b.param_slice(i)
-                shape = local(p).shape
-                self.state[p] = {"step": b.step_tensors[i], **{k: getattr(b, k)[s].view(shape)
-                                                               for k in ("exp_avg", "exp_avg_sq", "master")}}
+                if b.steps[i] > 0 and "step" not in self.state[p]:
+                    self.state[p] = {"step": b.step_tensors[i], **self.layout.views(p)}
+                elif b.steps[i] == 0 and p in self.state:
+                    del self.state[p]
+
+    def master(self, p: torch.Tensor) -> torch.Tensor:
+        """The fp32 master weight of ``p`` (its local shard under FSDP2): a view into pinned host memory."""
+        self._open()
+        if id(p) not in self.layout.where:
+            raise KeyError("this param has no master: it is not in the optimizer, or had requires_grad=False "
+                           "when the optimizer was built")
+        return self.layout.views(p)["master"]
 
     # ---- schedule -----------------------------------------------------------------------------------
     @property
@@ -262,13 +271,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.layout.record_writes()
         self.planner.observe(self.last_update)
         self.layout.advance_steps(has_grad)
+        self._expose_state()
         return loss
 
     def _refuse_new_grads(self) -> None:
         """A param frozen at construction has no host memory: refuse to silently ignore its new gradient."""
         for g in self.param_groups:
             for p in g["params"]:
-                if p.grad is not None and p not in self.state:
+                if p.grad is not None and id(p) not in self.layout.where:
                     raise RuntimeError(f"a param of shape {tuple(p.shape)} had requires_grad=False when the optimizer "
                                        "was built and now has a gradient: it has no optimizer state. Build the "
                                        "optimizer after unfreezing it")

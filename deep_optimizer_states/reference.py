@@ -24,9 +24,9 @@ class ReferenceAdamW:
         for g in opt.param_groups:
             copies = []
             for p in g["params"]:
-                if "master" not in opt.state[p]:  # frozen when ``opt`` was built: neither optimizer updates it
+                if id(p) not in opt.layout.where:  # frozen when ``opt`` was built: neither optimizer updates it
                     continue
-                m = opt.state[p]["master"].detach().to(p.device, copy=True).requires_grad_(True)
+                m = opt.master(p).detach().to(p.device, copy=True).requires_grad_(True)
                 self.masters[p] = m
                 copies.append(m)
             groups.append({**{k: v for k, v in g.items() if k not in _NOT_COPIED}, "params": copies})
@@ -49,7 +49,7 @@ class ReferenceAdamW:
         """Per param: ||ours - reference|| / ||reference|| over the fp32 masters."""
         errs = []
         for p, ref in self.masters.items():
-            master = self.ours.state[p]["master"]
+            master = self.ours.master(p)
             ref_here = ref.detach().to(master.device)
             errs.append(((master - ref_here).norm() / ref_here.norm().clamp_min(1e-30)).item())
         return errs
@@ -58,5 +58,5 @@ class ReferenceAdamW:
         """Masters within ``rtol`` of the reference, and every param exactly its master rounded."""
         for (p, _), err in zip(self.masters.items(), self.relative_errors()):
             assert err < rtol, f"param {tuple(p.shape)}: relative error {err:.3e} >= {rtol}"
-            master = self.ours.state[p]["master"]
+            master = self.ours.master(p)
             assert torch.equal(p.detach().cpu(), master.to(p.dtype).cpu()), "param is not its master rounded"

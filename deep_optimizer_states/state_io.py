@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .adam import check_group
-from .layout import local
+from .layout import DTensor, local
 
 if TYPE_CHECKING:
     from .optimizer import DeepOptimizerStates
@@ -26,21 +26,28 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def pack(opt: "DeepOptimizerStates") -> dict:
     """Per-param views of the live host buffers (as torch's own state_dict: copy it to keep a snapshot)."""
-    steps = {id(p): b.steps[i] for b in opt.layout.buckets for i, p in enumerate(b.params)}
     state, groups, index = {}, [], 0
     for group in opt.param_groups:
         ids = []
         for p in group["params"]:
-            if steps.get(id(p), 0) > 0:  # as torch: no entry before a param's first step
-                live = opt.state[p]
-                state[index] = {"step": torch.tensor(float(steps[id(p)])), "exp_avg": live["exp_avg"],
-                                "exp_avg_sq": live["exp_avg_sq"], "master_param": live["master"]}
+            live = opt.state.get(p)
+            if live:  # as torch: no entry before a param's first step
+                state[index] = {"step": torch.tensor(float(live["step"])),
+                                **{k: _like(p, live[k]) for k in _MOMENTS}, "master_param": _like(p, live["master"])}
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     scaler = opt.scaler.state_dict() if opt.scaler is not None else None
     return {"state": state, "param_groups": groups,
             "dos": {"version": FORMAT_VERSION, "loss_scaler": scaler, "skipped_steps": opt.skipped_steps}}
+
+
+def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """A state tensor as the param is: sharded like it under FSDP2 (so torch.distributed.checkpoint saves and
+    reshards it), the host view itself otherwise."""
+    if isinstance(p, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    return t
 
 
 def _step_count(idx, entry: dict) -> int:
@@ -87,7 +94,7 @@ def _check(opt: "DeepOptimizerStates", sd: dict) -> None:
                              f"this optimizer {len(group['params'])}: was it saved for another model?")
         for idx, p in zip(saved["params"], group["params"]):
             entry = state.get(idx, state.get(str(idx)))
-            if entry is not None and p in opt.state:
+            if entry is not None and id(p) in opt.layout.where:
                 _check_entry(idx, entry, p)
 
 
@@ -96,14 +103,14 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
     _check(opt, sd)
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    where = {id(p): (b, i) for b in opt.layout.buckets for i, p in enumerate(b.params)}
+    where = opt.layout.where
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         for idx, p in zip(saved["params"], group["params"]):
             if id(p) not in where:  # frozen when the optimizer was built: it has no state to load into
                 continue
             b, i = where[id(p)]
             entry = sd["state"].get(idx, sd["state"].get(str(idx))) or {}
-            live = opt.state[p]
+            live = opt.layout.views(p)
             for key in _MOMENTS:
                 if key in entry:
                     live[key].copy_(local(entry[key]))
@@ -117,6 +124,7 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
             b.steps[i] = _step_count(idx, entry) if entry else 0
             b.step_tensors[i].fill_(b.steps[i])
     opt.layout.record_writes()
+    opt._expose_state()
     dos = sd.get("dos") or {}
     if dos.get("loss_scaler") is not None and opt.scaler is not None:
         opt.scaler.load_state_dict(dos["loss_scaler"])
