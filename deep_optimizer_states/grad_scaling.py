@@ -8,15 +8,27 @@ up-casts each subgroup's gradient. Order and arithmetic follow torch: GradScaler
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
-def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm over all ``grads``, computed as torch.nn.utils.clip_grad_norm_ does, accumulated in fp32."""
+def total_norm(grads: list[torch.Tensor], device: torch.device | None = None,
+               group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
+    """The L2 norm over all ``grads``, computed as torch.nn.utils.clip_grad_norm_ does, accumulated in fp32.
+
+    With a process group (FSDP2), ``grads`` are this rank's shards: the squares are summed over the ranks,
+    so every rank gets the norm of the whole model's gradient (and skips or clips alike).
+    """
     if not grads:
-        return torch.zeros(())
-    low = grads[0].dtype != torch.float32
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
-    return torch.linalg.vector_norm(torch.stack(norms), 2)
+        norm = torch.zeros((), device=device)
+    else:
+        low = grads[0].dtype != torch.float32
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
+        norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+    if group is None:
+        return norm
+    squares = norm.square()
+    dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=group)
+    return squares.sqrt()
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:

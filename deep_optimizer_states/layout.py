@@ -145,12 +145,18 @@ class Layout:
     """All buckets and subgroups of one optimizer; owns the host buffers and the per-param bookkeeping."""
 
     def __init__(self, groups: list[tuple[list[torch.nn.Parameter], list[str]]], subgroup_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, local_ranks: int = 1, before_allocating=None) -> None:
+        """``local_ranks``: processes on this host that build the same layout (FSDP2 shards are near-equal),
+        so the host-memory check counts them all; ``before_allocating`` runs after the check (FSDP2: a
+        barrier, so that no rank's allocation shrinks what another rank's check reads)."""
         self.device = device
         sizes = [[local(p).numel() for p in params] for params, _ in groups]
         self.numel = sum(map(sum, sizes))
         pin = device.type == "cuda"
-        check_host_capacity(self.numel * HOST_BYTES_PER_ELEMENT, "the optimizer's host buffers")
+        what = "the optimizer's host buffers" + (f" of {local_ranks} ranks on this host" if local_ranks > 1 else "")
+        check_host_capacity(self.numel * HOST_BYTES_PER_ELEMENT * local_ranks, what)
+        if before_allocating is not None:
+            before_allocating()
         self.buckets: list[Bucket] = []
         self.subgroups: list[Subgroup] = []
         for gi, ((params, names), numels) in enumerate(zip(groups, sizes)):

@@ -15,6 +15,7 @@ from .engine import Engine, Job, UpdateStats
 from .grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
 from .layout import Layout, local
 from .plan import Plan, Planner
+from .ranks import cpu_threads_per_rank, local_ranks, shard_group
 from .schedule import Placement, Schedule
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,6 +55,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         loss_scale: str | float | None = "auto",
         nonfinite: str = "skip",
         staging_slots: int = 2,
+        cpu_threads: int | None = None,
         device: str | torch.device | None = None,
         maximize: bool = False,
         foreach: bool | None = None,
@@ -82,7 +84,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.device = self._check_params(device)
-        self.layout = Layout(self._trainable(), subgroup_size, self.device)
+        trainable = self._trainable()
+        self.group = shard_group([p for params, _ in trainable for p in params])
+        threads = cpu_threads_per_rank(cpu_threads)
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.layout = Layout(trainable, subgroup_size, self.device, local_ranks(),
+                             None if self.group is None else lambda: torch.distributed.barrier(group=self.group))
         self.engine = Engine(self.device)
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots)
         self.schedule = schedule
@@ -233,7 +241,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if not (max_norm > 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm must be a finite float > 0, got {max_norm!r}")
         self._open()
-        self._norm_cache = total_norm(self.layout.grads())
+        self._norm_cache = total_norm(self.layout.grads(), self.device, self.group)
         self._clip_once = float(max_norm)
         return self._norm_cache / self.scaler.scale if self.scaler is not None else self._norm_cache
 
@@ -288,7 +296,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         clip = self._clip_once if self._clip_once is not None else self.max_grad_norm
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
         if raw is None:
-            raw = total_norm(self.layout.grads())
+            raw = total_norm(self.layout.grads(), self.device, self.group)
         finite = bool(torch.isfinite(raw))  # one device sync per step: no update is ever half applied
         norm, multipliers = raw, []
         if self.scaler is not None:

@@ -1,0 +1,72 @@
+"""What one rank shares with the others: the process group its params are sharded over (FSDP2), and the
+host it shares with the other ranks launched on the same machine (cores, memory bandwidth, host memory).
+
+Nothing here sets up distributed training: FSDP2 (``fully_shard``) does that. We read what it built.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from .layout import DTensor
+
+
+def shard_group(params: list[torch.Tensor]) -> "dist.ProcessGroup | None":
+    """The process group the params are sharded over, or None when they are ordinary tensors.
+
+    Supported: every param a DTensor sharded (``Shard``) over the same one-dimensional mesh, as FSDP2's
+    ``fully_shard`` makes them. Replicated dimensions (HSDP, DDP) would count a gradient several times in
+    the global norm, so they are refused for now.
+    """
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    if len(sharded) != len(params):
+        raise ValueError("some params are DTensors (FSDP2) and some are not: shard the whole model with "
+                         "fully_shard, or give the optimizer only the sharded params")
+    mesh = sharded[0].device_mesh
+    for p in sharded:
+        if p.device_mesh != mesh or mesh.ndim != 1 or not all(pl.is_shard() for pl in p.placements):
+            raise NotImplementedError(f"params sharded as {p.placements} over a {mesh.ndim}-d mesh: "
+                                      "DeepOptimizerStates supports FSDP2 sharding over one 1-d mesh (Shard)")
+    return mesh.get_group()
+
+
+def local_ranks() -> int:
+    """How many ranks torchrun (or another launcher that sets LOCAL_WORLD_SIZE) started on this host."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity), else the machine's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_threads_per_rank(requested: int | None) -> int | None:
+    """Threads for this rank's CPU AdamW: ``requested``, else the host's cores split between its local ranks
+    when a launcher started several (torchrun sets OMP_NUM_THREADS=1, which would leave the CPU path on one
+    core); None leaves torch's setting alone (one process per host)."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise ValueError(f"cpu_threads must be an int >= 1 or None, got {requested!r}")
+        return requested
+    n = local_ranks()
+    if n == 1 and "LOCAL_WORLD_SIZE" not in os.environ:
+        return None
+    return max(1, host_cores() // n)
+
+
+def all_reduce_sum_(t: torch.Tensor, group: "dist.ProcessGroup | None") -> torch.Tensor:
+    """Sum ``t`` over the group in place (a no-op without one)."""
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

@@ -1,0 +1,152 @@
+"""One rank of the FSDP2 tests (launched by tests/test_fsdp2.py with torchrun on gloo, CPU).
+
+Modes:
+  train  FSDP2 + DeepOptimizerStates against a single-process torch.optim.AdamW on the whole model, step
+         by step (fp32, clipping, two micro-batches per step, shards of uneven size).
+  save   train, save a DCP checkpoint (and a single-process state_dict from rank 0), train on; rank 0 writes
+         the final full params.
+  load   load that DCP checkpoint on another number of ranks, train on; rank 0 writes the final full params.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from deep_optimizer_states import DeepOptimizerStates
+
+ROWS = 6  # rows of one global micro-batch: divisible by 1, 2 and 3 ranks
+MICRO = 2
+LR, WD, MAX_NORM = 3e-3, 0.1, 0.05
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)  # odd sizes: shards are uneven on 2 and 3 ranks
+    return nn.Sequential(nn.Linear(13, 29), nn.GELU(), nn.LayerNorm(29), nn.Linear(29, 31), nn.GELU(),
+                         nn.Linear(31, 5))
+
+
+def shard(model: nn.Module) -> nn.Module:
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randn(ROWS, 13, generator=gen), torch.randn(ROWS, 5, generator=gen)
+
+
+def my_rows(t: torch.Tensor) -> torch.Tensor:
+    n, r = dist.get_world_size(), dist.get_rank()
+    return t[r * ROWS // n : (r + 1) * ROWS // n]
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, sharded: bool) -> None:
+    opt.zero_grad()
+    for micro in range(MICRO):
+        x, y = batch(step, micro)
+        if sharded:
+            x, y = my_rows(x), my_rows(y)
+        ((model(x) - y).pow(2).mean() / MICRO).backward()
+    if not sharded:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def write_final(model: nn.Module, out: str, what: str) -> None:
+    final = full_params(model)  # collective: every rank takes part
+    if dist.get_rank() == 0:
+        torch.save(final, os.path.join(out, f"{what}_{dist.get_world_size()}.pt"))
+
+
+def ours(model: nn.Module, schedule) -> DeepOptimizerStates:
+    return DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=97, schedule=schedule,
+                               max_grad_norm=MAX_NORM)
+
+
+def train_mode(steps: int, schedule) -> None:
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model = shard(make_model())
+    opt = ours(model, schedule)
+    for step in range(steps):
+        train_step(model, opt, step, sharded=True)
+        train_step(ref, ref_opt, step, sharded=False)
+        for (name, p), want in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), want.detach(), rtol=2e-5, atol=2e-6,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+    local = [p.to_local().numel() for p in model.parameters()]
+    print(f"rank {dist.get_rank()}: {steps} steps equal torch AdamW; local shard sizes {local}")
+
+
+def save_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
+    model = shard(make_model())
+    opt = ours(model, schedule)
+    for step in range(before):
+        train_step(model, opt, step, sharded=True)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=ckpt)
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    params = full_params(model)
+    if dist.get_rank() == 0:
+        torch.save({"optim": full, "params": params}, os.path.join(out, "single_process.pt"))
+    for step in range(before, before + after):
+        train_step(model, opt, step, sharded=True)
+    write_final(model, out, "uninterrupted")
+
+
+def load_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
+    model = shard(make_model())
+    opt = ours(model, schedule)
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=ckpt)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    for step in range(before, before + after):
+        train_step(model, opt, step, sharded=True)
+    write_final(model, out, "resumed")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["train", "save", "load"])
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--before", type=int, default=3)
+    ap.add_argument("--after", type=int, default=3)
+    ap.add_argument("--ckpt", default="")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--schedule", default="2")
+    args = ap.parse_args()
+    schedule = int(args.schedule) if args.schedule.isdigit() else args.schedule
+    dist.init_process_group("gloo")
+    try:
+        if args.mode == "train":
+            train_mode(args.steps, schedule)
+        elif args.mode == "save":
+            save_mode(args.ckpt, args.before, args.after, args.out, schedule)
+        else:
+            load_mode(args.ckpt, args.before, args.after, args.out, schedule)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
