@@ -1,17 +1,27 @@
 PY ?= python3
+STAMP := build/install.stamp
+# The interpreter the install chose (an active venv, python3, or .venv; see scripts/install.sh).
+PYTHON = "$$(cat build/python 2>/dev/null || echo $(PY))"
 
 .PHONY: install run test gpu-test
+
+# Installs again when pyproject.toml or the install script change; `make install` forces it.
+$(STAMP): pyproject.toml scripts/install.sh
+	PY=$(PY) bash scripts/install.sh
+	touch $@
+
 install:
 	PY=$(PY) bash scripts/install.sh
+	touch $(STAMP)
 
 # The main job: train the tiny Llama on its defaults (GPU when present), checked against torch.optim.AdamW.
-run: install
-	$(PY) -m deep_optimizer_states train
+run: $(STAMP)
+	$(PYTHON) -m deep_optimizer_states train
 
 # The CPU test suite (CI runs exactly this); GPU tests are skipped without CUDA.
-test: install
-	$(PY) -m pytest -q
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
 
 # On a GPU machine: the GPU tests alone.
 gpu-test:
-	$(PY) -m pytest -q -m gpu tests/gpu
+	$(PYTHON) -m pytest -q -m gpu tests/gpu

@@ -166,6 +166,23 @@ def _new_case(numel: int, pin: bool, out, base: dict) -> None:
     _free_host_cache()
 
 
+def _optimizer_case(preset: str, out) -> None:
+    """End to end: DeepOptimizerStates built on a bf16 model of ``preset`` on the device (host buffers
+    allocated, pinned, masters copied in from the model), as a user waits for it."""
+    from deep_optimizer_states import DeepOptimizerStates
+    from deep_optimizer_states.models import llama
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = llama(preset, torch.bfloat16, device)
+    numel = sum(p.numel() for p in model.parameters())
+    seconds, opt = _timed(lambda: DeepOptimizerStates(model, schedule="cpu"))
+    pinned = opt.layout.buckets[0].master.is_pinned()
+    _emit(out, {"params": numel, "case": "optimizer", "model": preset, "bytes": opt.layout.bytes()["host"],
+                "seconds": seconds, "pinned": pinned, "note": "DeepOptimizerStates(model) end to end"})
+    opt.close()
+    del opt, model
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1.36e9,5.2e9", help="parameter counts, comma-separated")
@@ -173,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--single-gb", type=float, default=8.0, help="cap for the one-buffer cases (GB)")
     parser.add_argument("--no-memset", action="store_true", help="skip the memset variant of the allocation")
     parser.add_argument("--no-pin", action="store_true", help="pageable buffers even with CUDA")
+    parser.add_argument("--optimizer", default="", help="also time DeepOptimizerStates built on these presets")
     args = parser.parse_args(argv)
     pin = torch.cuda.is_available() and not args.no_pin
     if pin:
@@ -204,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
         _new_case(numel, pin, out, base)
         if not args.no_memset:
             _memset_case(numel, pin, out, base)
+    for preset in filter(None, args.optimizer.split(",")):
+        _optimizer_case(preset, out)
     if out is not None:
         out.close()
 

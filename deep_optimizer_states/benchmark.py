@@ -20,7 +20,8 @@ from .adam import AdamHyper, adam_update
 from .calibrate import calibrated_rates
 from .engine import UpdateStats
 from .layout import HOST_BYTES_PER_ELEMENT
-from .models import llama
+from .host_memory import available_host_bytes
+from .models import PRESETS, llama
 from .optimizer import DeepOptimizerStates
 from .perfmodel import Rates, lower_bound, predict
 from .refine import Refiner
@@ -34,16 +35,49 @@ def _sync(device: torch.device) -> None:
 
 def _fresh_grads(opt: DeepOptimizerStates) -> None:
     for b in opt.layout.buckets:
-        b.grad_flat.normal_(0.0, 1e-3)
+        for p in b.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.normal_(0.0, 1e-3)
 
 
 def expected_master(opt: DeepOptimizerStates, index: int, compute: torch.device) -> torch.Tensor:
     """What torch's fused AdamW on ``compute`` makes of subgroup ``index``'s master, from its state now."""
     sg = opt.layout.subgroups[index]
-    p, g, m, v = (t.to(compute, torch.float32, copy=True) for t in (sg.master, sg.grad, sg.exp_avg, sg.exp_avg_sq))
+    p, m, v = (t.to(compute, torch.float32, copy=True) for t in (sg.master, sg.exp_avg, sg.exp_avg_sq))
+    g = torch.empty(sg.numel, dtype=torch.float32, device=compute)
+    sg.gather_grads(g)
     group = opt.param_groups[sg.group_index]
-    adam_update(p, g, m, v, opt._steps[sg.group_index], AdamHyper.from_group(group, opt.adamw))
+    adam_update(p, g, m, v, sg.bucket.steps[sg.pieces[0].i], AdamHyper.from_group(group, opt.adamw))
     return p
+
+
+SMALLEST_SUBGROUP = 64  # elements: the default subgroup size never goes below this
+
+
+def preset_params(preset: str) -> int:
+    """Parameter count of a benchmark model (``models.PRESETS``), without building it."""
+    hidden, layers, vocab = PRESETS[preset]
+    inter = int(hidden * 2.75) // 256 * 256
+    return 2 * vocab * hidden + layers * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden) + hidden
+
+
+def default_model(device: torch.device, host_bytes: int | None = None, gpu_bytes: int | None = None) -> str:
+    """The benchmark model that suits this machine: "tiny" without a GPU (the update then runs on the CPU
+    alone, and a 1.36B model takes minutes per schedule there); on a GPU the largest of 1.36b and 0.5b whose
+    host states (16 B/param) fit in 80% of the free host memory and whose bf16 params and grads (4 B/param)
+    plus 4 GB of headroom fit the GPU, else "tiny"."""
+    if device.type != "cuda":
+        return "tiny"
+    if host_bytes is None:
+        host_bytes = available_host_bytes()
+    if gpu_bytes is None:
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    for preset in ("1.36b", "0.5b"):
+        n = preset_params(preset)
+        if (host_bytes is None or HOST_BYTES_PER_ELEMENT * n <= 0.8 * host_bytes) and 4 * n + 4e9 <= gpu_bytes:
+            return preset
+    return "tiny"
 
 
 def probe_subgroups(opt: DeepOptimizerStates) -> list[int]:
@@ -64,16 +98,20 @@ class Record:
     peak_gpu_bytes: int = 0
 
 
-def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 1, 2, 3, 4, 5, 6, 7, 8, "auto"),
-                 subgroup_size: int = 25_000_000, warmup: int = 2, iters: int = 7, device: str | None = None,
+def update_phase(preset: str | None = "1.36b",
+                 schedules: Sequence[Schedule] = ("cpu", 1, 2, 3, 4, 5, 6, 7, 8, "auto"),
+                 subgroup_size: int | None = 25_000_000, warmup: int = 2, iters: int = 7, device: str | None = None,
                  out: str | None = None, probes: int = 3) -> list[dict]:
     """Time the update phase for each schedule; returns one result row per schedule (also as JSON lines).
+    ``preset=None`` takes ``default_model`` for the device; ``subgroup_size=None`` an eighth of the model,
+    at most 25M elements.
 
     The schedules take turns, one update each per round (``warmup`` untimed rounds, then ``iters`` timed),
     so a machine that drifts moves every schedule alike. ``probes`` untimed "auto" updates run first, as a
     training run's first steps would. Each schedule is predicted twice: from calibration alone, and from
     the calibrated rates refined on every *other* schedule's updates (never its own)."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    preset = preset or default_model(dev)
     opt, header = _setup(preset, subgroup_size, dev)
     header.update(probe_updates=probes, rounds=f"{warmup} warm-up + {iters} timed, schedules in turn",
                   prediction_basis="refined on the other schedules' updates")
@@ -96,7 +134,7 @@ def update_phase(preset: str = "1.36b", schedules: Sequence[Schedule] = ("cpu", 
     return rows
 
 
-def _setup(preset: str, subgroup_size: int, dev: torch.device) -> tuple[DeepOptimizerStates, dict]:
+def _setup(preset: str, subgroup_size: int | None, dev: torch.device) -> tuple[DeepOptimizerStates, dict]:
     """Calibrate, build the model and the optimizer (timed), and run one real backward."""
     t0 = time.perf_counter()
     rates = calibrated_rates(dev, force=True, log=print)
@@ -105,6 +143,9 @@ def _setup(preset: str, subgroup_size: int, dev: torch.device) -> tuple[DeepOpti
     model = llama(preset, torch.bfloat16, dev)
     _sync(dev)
     model_s = time.perf_counter() - t0
+    if subgroup_size is None:
+        numel = sum(p.numel() for p in model.parameters())
+        subgroup_size = max(SMALLEST_SUBGROUP, min(25_000_000, -(-numel // 8)))
     t0 = time.perf_counter()
     opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, subgroup_size=subgroup_size, schedule="cpu")
     _sync(dev)

@@ -25,16 +25,18 @@ from .host_memory import host_empty
 from .lanes import Lane
 from .layout import Layout
 from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
+from .ranks import local_ranks
 from .schedule import Placement, placements, spread
 
 CACHE_VERSION = 4
+MIN_PER_SUBGROUP_S = 1e-6
 _HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
 
 def fingerprint(device: torch.device) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
     return {"gpu": gpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "host": platform.node()}
+            "host": platform.node(), "local_ranks": local_ranks()}  # ranks on one host share its bandwidth
 
 
 def cache_path(device: torch.device) -> Path:
@@ -65,7 +67,7 @@ def load_cached(device: torch.device) -> Rates | None:
 def save(rates: Rates, device: torch.device) -> Path:
     path = cache_path(device)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks of one host may save at once
     tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fingerprint(device),
                                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": rates.as_dict()}, indent=1))
     tmp.replace(path)  # atomic: a crash never leaves half a file
@@ -129,12 +131,13 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
     return rates
 
 
+@torch.no_grad()
 def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
     """Run the engine on a synthetic layout: all on the CPU, all staged, and two mixes (contended rates)."""
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16)) for _ in range(count)]
-    layout = Layout([{"params": params}], n, device)
-    for b in layout.buckets:
-        b.grad_flat.normal_(0.0, 1e-3)
+    for p in params:
+        p.grad = torch.empty_like(p).normal_(0.0, 1e-3)
+    layout = Layout([(params, [f"p{i}" for i in range(count)])], n, device)
     engine = Engine(device)
     sizes = [sg.numel for sg in layout.subgroups]
     unknown = dict.fromkeys(("cpu_engine", "cpu_contended", "link", "link_contended", "per_subgroup_s"), 1.0)
@@ -148,7 +151,10 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
         stats = [engine.update(jobs) for _ in range(3)]
         wall = statistics.median(s.seconds for s in stats)
         cpu_fill, link_fill = fills(sizes, places, raw_only)
-        return (wall - cpu_fill, wall - link_fill, statistics.median(s.cpu_adam_seconds for s in stats),
+        # the first and last transfers, priced from raw rates, can exceed a tiny layout's whole update
+        # (the CPU machine of the tests): half of the update at least, so that every rate stays positive
+        return (max(wall - cpu_fill, wall / 2), max(wall - link_fill, wall / 2),
+                statistics.median(s.cpu_adam_seconds for s in stats),
                 statistics.median(s.staged_window_s for s in stats))
 
     def on_cpu(places: list[Placement]) -> int:
@@ -156,7 +162,9 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
 
     total = sum(sizes)
     cpu_body, _, cpu_s, _ = run(placements("cpu", count))
-    per_subgroup_s = max(cpu_body - cpu_s, 0.0) / count  # event waits, dispatch, hand-offs: besides AdamW
+    # event waits, dispatch, hand-offs: besides AdamW; at least 1 us, so that a noisy reading never stores a
+    # zero that load_cached refuses (which would recalibrate every time)
+    per_subgroup_s = max(cpu_body - cpu_s, MIN_PER_SUBGROUP_S * count) / count
     _, link_body, _, _ = run(placements("gpu", count))
     # Two mixes, so that each contended rate is read while the other side is busy all along: mostly staged
     # (the link outlasts the CPU) for the CPU's rate, mostly on the CPU (the CPU outlasts the staged

@@ -10,11 +10,71 @@ import time
 
 import torch
 
-from .layout import ALIGN
+GB = 1e9
+SMALLEST_SUBGROUP = 64  # elements: the default subgroup size never goes below this
+GPU_BYTES_PER_PARAM = 4  # the model's bf16 params and grads stay on the GPU
 
 
-def _schedule(text: str):
-    return int(text) if text.isdigit() else text
+def _schedule(text: str) -> str | int:
+    """auto | cpu | gpu | k (an int >= 1)."""
+    from .schedule import validate_schedule
+
+    try:
+        return validate_schedule(int(text) if text.lstrip("-").isdigit() else text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (argparse type)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def param_count(text: str) -> int:
+    """A parameter count >= 1, written as an int or a float such as 5.2e9 (argparse type)."""
+    value = _number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a parameter count >= 1 (e.g. 5.2e9), got {text}")
+    return int(value)
+
+
+def _schedules(text: str) -> list[str | int]:
+    return [_schedule(t) for t in text.split(",")]
+
+
+def positive_int(text: str) -> int:
+    """An int >= 1 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """An int >= 0 (argparse type)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -26,13 +86,14 @@ def _train(args: argparse.Namespace) -> int:
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = llama(args.model, torch.bfloat16, device)
     numel = sum(p.numel() for p in model.parameters())
-    size = args.subgroup_size or max(ALIGN, min(25_000_000, math.ceil(numel / 8)))
+    size = args.subgroup_size or max(SMALLEST_SUBGROUP, min(25_000_000, math.ceil(numel / 8)))
     opt = DeepOptimizerStates(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
                               schedule=args.schedule, max_grad_norm=1.0)
     ref = ReferenceAdamW(opt) if args.check else None
     places = opt.placements
     print(f"model {args.model}: {numel / 1e6:.1f}M params in {len(places)} subgroups on {device}; schedule "
-          f"{args.schedule!r}: {places.count(places[0].STAGED)} staged, {places.count(places[0].CPU)} on the CPU")
+          f"{args.schedule!r}: {places.count(places[0].STAGED)} staged, {places.count(places[0].CPU)} on the CPU"
+          + (" (provisional: 'auto' calibrates at the first step)" if opt.planner.pending else ""))
     gen = torch.Generator().manual_seed(args.seed)
     worst = 0.0
     for step in range(1, args.steps + 1):
@@ -59,14 +120,17 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .benchmark import table, update_phase
+    from .benchmark import default_model, table, update_phase
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    schedules = [_schedule(s) for s in args.schedules.split(",")]
-    if args.probes < 0:
-        raise SystemExit(f"--probes must be 0 or more, got {args.probes}")
-    rows = update_phase(args.model, schedules, args.subgroup_size, args.warmup, args.iters, out=args.out,
+    schedules = args.schedules
+    model = args.model
+    if model is None:
+        model = default_model(_device())
+        why = "no GPU here" if not torch.cuda.is_available() else "what fits this machine"
+        print(f"model {model} ({why}; --model picks another)", flush=True)
+    rows = update_phase(model, schedules, args.subgroup_size, args.warmup, args.iters, out=args.out,
                         probes=args.probes)
     print(table(rows))
     return 0
@@ -94,35 +158,77 @@ def _calibrate(args: argparse.Namespace) -> int:
 PLAN_SIZES = (6_250_000, 12_500_000, 25_000_000, 50_000_000, 100_000_000)
 
 
+def _budgets(params: int, device: torch.device, gpu_memory_gb: float | None) -> tuple[dict, list[str]]:
+    """The host and GPU memory the plan is made for, and why the model does not fit them (empty if it does)."""
+    from .host_memory import available_host_bytes
+    from .layout import HOST_BYTES_PER_ELEMENT
+
+    host = available_host_bytes()
+    if gpu_memory_gb is not None:
+        gpu, gpu_from = gpu_memory_gb * GB, "--gpu-memory-gb"
+    elif device.type == "cuda":
+        gpu, gpu_from = torch.cuda.get_device_properties(device).total_memory, "the whole GPU"
+    else:
+        gpu, gpu_from = None, "no GPU"
+    need_host, need_gpu = HOST_BYTES_PER_ELEMENT * params, GPU_BYTES_PER_PARAM * params
+    budget = {"host_memory_GB": None if host is None else round(host / GB, 2),
+              "host_needed_GB": round(need_host / GB, 2),
+              "gpu_budget_GB": None if gpu is None else round(gpu / GB, 2), "gpu_budget_from": gpu_from,
+              "gpu_needed_GB": round(need_gpu / GB, 2)}
+    problems = []
+    if host is not None and need_host > host:
+        problems.append(f"host memory: the optimizer states need {need_host / GB:.1f} GB of pinned host memory "
+                        f"({HOST_BYTES_PER_ELEMENT} B/param: fp32 master, exp_avg, exp_avg_sq, fp32 grad landing "
+                        f"zone), {host / GB:.1f} GB available (set DOS_HOST_MEMORY_GB if this machine grows its "
+                        "memory on demand)")
+    if gpu is not None and need_gpu > gpu:
+        problems.append(f"GPU memory: the model's bf16 params and grads need {need_gpu / GB:.1f} GB "
+                        f"({GPU_BYTES_PER_PARAM} B/param), the budget is {gpu / GB:.1f} GB ({gpu_from})")
+    return budget, problems
+
+
 def _plan(args: argparse.Namespace) -> int:
-    """Print the schedule the model chooses for a model of ``--params`` parameters, and the bound."""
+    """Print the schedule the model chooses for a model of ``--params`` parameters, and the bound; without a
+    GPU, the CPU path's time. Exit status 1 when the model does not fit this machine's memory."""
     from .calibrate import calibrated_rates
     from .perfmodel import choose, lower_bound, predict
     from .plan import SCRATCH_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
     from .schedule import placements
 
-    if args.params <= 0:
-        raise SystemExit("--params must be > 0")
     device = _device()
+    cuda = device.type == "cuda"
+    params = args.params
+    budget, problems = _budgets(params, device, args.gpu_memory_gb)
+    if problems:
+        if args.json:
+            print(json.dumps({"params": params, "device": str(device), "fits": False, "problems": problems,
+                              "budget": budget}))
+        else:
+            print(f"{params / 1e9:.2f}B params do not fit on this machine ({device}):")
+            print("\n".join("  " + p for p in problems))
+            print("  shard the model over several processes (one optimizer per GPU), or use a machine with more "
+                  "memory")
+        return 1
     rates = calibrated_rates(device, log=lambda s: print(s, file=sys.stderr))
-    params = int(args.params)
+    gpu = budget["gpu_budget_GB"]
     options = []
     for size in ([args.subgroup_size] if args.subgroup_size else PLAN_SIZES):
         count = max(1, math.ceil(params / size))
         sizes = [params // count + (i < params % count) for i in range(count)]
-        slots = 2
-        if args.gpu_memory_gb is not None:  # what is left after bf16 params and grads (4 B/param) and scratch
-            spare = args.gpu_memory_gb * 1e9 - 4 * params - SCRATCH_BYTES_PER_ELEMENT * sizes[0]
+        slots = 0
+        if cuda:  # what is left after bf16 params and grads (4 B/param) and scratch
+            spare = gpu * GB - GPU_BYTES_PER_PARAM * params - SCRATCH_BYTES_PER_ELEMENT * sizes[0]
             slots = int(max(0, min(2, spare // (SLOT_BYTES_PER_ELEMENT * sizes[0]))))
         if slots:
             places, pred = choose(sizes, rates, slots)
-        else:  # no room for a staging slot: everything on the CPU
+        else:  # no GPU, or no room for a staging slot: everything on the CPU path
             places = placements("cpu", count)
             pred = predict(sizes, places, rates)
         options.append((pred.seconds, size, slots, places, pred))
     seconds, size, slots, places, pred = min(options, key=lambda o: o[0])
-    bound, fraction = lower_bound(params, rates)
-    result = {"params": params, "device": str(device), "subgroup_size": size, "subgroups": len(places),
+    bound, fraction = lower_bound(params, rates) if cuda else (pred.body_s, 0.0)
+    result = {"params": params, "device": str(device), "fits": True, "budget": budget, "cpu_path_only": not cuda,
+              "subgroup_size": size, "subgroups": len(places),
               "staged": pred.staged, "on_cpu": pred.cpu, "staging_slots": slots,
               "placements": "".join("S" if p.value == "staged" else "c" for p in places),
               "predicted_update_s": round(seconds, 4), "Gparams_per_s": round(params / seconds / 1e9, 3),
@@ -133,8 +239,21 @@ def _plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{params / 1e9:.2f}B params on {device}: subgroups of {size / 1e6:g}M elements ({len(places)}), "
-          f"{pred.staged} staged to the GPU and {pred.cpu} on the CPU, {slots} staging slots")
+    host = budget["host_memory_GB"]
+    host_text = "unknown" if host is None else f"{host:g} GB available"
+    gpu_text = "no GPU" if gpu is None else f"{gpu:g} GB ({budget['gpu_budget_from']})"
+    gpu_need = "" if gpu is None else f" (bf16 params and grads need {budget['gpu_needed_GB']:g} GB)"
+    print(f"{params / 1e9:.2f}B params on {device}; planned for host memory {host_text} (needs "
+          f"{budget['host_needed_GB']:g} GB), GPU {gpu_text}{gpu_need}")
+    if not cuda:
+        print(f"  no GPU here: every subgroup is updated on the CPU path (torch's fused CPU AdamW); "
+              f"subgroups of {size / 1e6:g}M elements ({len(places)})")
+        print(f"  predicted   {seconds:.3f} s per update, {result['Gparams_per_s']:.2f} G params/s "
+              f"(CPU AdamW {pred.cpu_s:.3f} s, "
+              f"grad and param copies {pred.link_s:.3f} s)")
+        return 0
+    print(f"  subgroups of {size / 1e6:g}M elements ({len(places)}), {pred.staged} staged to the GPU and "
+          f"{pred.cpu} on the CPU, {slots} staging slots")
     pattern = result["placements"]
     print(f"  placement   {pattern[:80]}{'...' if len(pattern) > 80 else ''}   (S staged, c CPU)")
     print(f"  predicted   {seconds:.3f} s per update, {result['Gparams_per_s']:.2f} G params/s; bottleneck: "
@@ -142,8 +261,6 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  busy        CPU {pred.cpu_s:.3f} s, link {pred.link_s:.3f} s each way, GPU {pred.gpu_s:.3f} s")
     print(f"  lower bound {bound:.3f} s (everything overlapped, {fraction:.0%} staged): the plan reaches "
           f"{bound / seconds:.0%} of it")
-    if device.type != "cuda":
-        print("  (no GPU here: the 'link' rates are this machine's host memory copies)")
     return 0
 
 
@@ -152,33 +269,37 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     train = sub.add_parser("train", help="train a Llama-style model with DeepOptimizerStates (default command)")
     train.add_argument("--model", default="tiny", help="tiny | 0.5b | 1.36b | 5.2b (default tiny)")
-    train.add_argument("--steps", type=int, default=20)
-    train.add_argument("--batch", type=int, default=2)
-    train.add_argument("--seq", type=int, default=64)
-    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--steps", type=positive_int, default=20)
+    train.add_argument("--batch", type=positive_int, default=2)
+    train.add_argument("--seq", type=positive_int, default=64)
+    train.add_argument("--lr", type=positive_float, default=1e-3)
     train.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
-    train.add_argument("--subgroup-size", type=int, default=None, help="elements (default: 1/8 of the model, <= 25M)")
+    train.add_argument("--subgroup-size", type=positive_int, default=None,
+                       help="elements (default: 1/8 of the model, <= 25M)")
     train.add_argument("--device", default="auto", help="auto | cpu | cuda")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the lockstep torch.optim.AdamW reference (it doubles memory)")
     bench = sub.add_parser("bench", help="time the update phase per schedule")
-    bench.add_argument("--model", default="1.36b")
-    bench.add_argument("--schedules", default="cpu,1,2,3,4,5,6,7,8,auto")
-    bench.add_argument("--subgroup-size", type=int, default=25_000_000)
-    bench.add_argument("--warmup", type=int, default=2, help="untimed rounds of every schedule in turn")
-    bench.add_argument("--iters", type=int, default=7, help="timed rounds (each schedule's median reported)")
-    bench.add_argument("--probes", type=int, default=3,
+    bench.add_argument("--model", default=None,
+                       help="tiny | 0.5b | 1.36b | 5.2b (default: tiny without a GPU, else 1.36b or 0.5b, what fits)")
+    bench.add_argument("--schedules", type=_schedules, default="cpu,1,2,3,4,5,6,7,8,auto")
+    bench.add_argument("--subgroup-size", type=positive_int, default=None,
+                       help="elements (default: 1/8 of the model, <= 25M)")
+    bench.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed rounds of every schedule in turn")
+    bench.add_argument("--iters", type=positive_int, default=7, help="timed rounds (each schedule's median reported)")
+    bench.add_argument("--probes", type=nonnegative_int, default=3,
                        help="untimed 'auto' updates first, which the rates are refined from (default 3)")
-    bench.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    bench.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
     bench.add_argument("--out", default=None, help="append JSON lines here")
     calibrate = sub.add_parser("calibrate", help="measure this machine's rates for the performance model")
     calibrate.add_argument("--force", action="store_true", help="measure again even if cached")
     calibrate.add_argument("--json", action="store_true")
     plan = sub.add_parser("plan", help="the schedule, predicted update time and lower bound for a model size")
-    plan.add_argument("--params", type=float, required=True, help="parameter count, e.g. 5.2e9")
-    plan.add_argument("--gpu-memory-gb", type=float, default=None, help="GPU memory budget (default: all)")
-    plan.add_argument("--subgroup-size", type=int, default=None, help="elements (default: the best of a few)")
+    plan.add_argument("--params", type=param_count, required=True, help="parameter count, e.g. 5.2e9")
+    plan.add_argument("--gpu-memory-gb", type=positive_float, default=None,
+                      help="GPU memory budget (default: the whole GPU)")
+    plan.add_argument("--subgroup-size", type=positive_int, default=None, help="elements (default: the best of a few)")
     plan.add_argument("--json", action="store_true")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:] or ["train"])
     commands = {"train": _train, "bench": _bench, "calibrate": _calibrate, "plan": _plan}

@@ -188,6 +188,7 @@ class Engine:
         done.set_result(fn(*args))
         return done
 
+    @torch.no_grad()  # runs in the CPU worker thread, where the caller's no_grad does not reach
     def _update_on_cpu(self, job: Job, index: int, feed: "_GradFeed", scratch) -> None:
         sg = job.subgroup
         feed.landed(index).synchronize()

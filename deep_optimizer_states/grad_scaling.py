@@ -21,8 +21,7 @@ def total_norm(grads: list[torch.Tensor], device: torch.device | None = None,
     if not grads:
         norm = torch.zeros((), device=device)
     else:
-        low = grads[0].dtype != torch.float32
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if low else torch._foreach_norm(grads, 2)
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # every dtype's norm in fp32, whatever the order
         norm = torch.linalg.vector_norm(torch.stack(norms), 2)
     if group is None:
         return norm

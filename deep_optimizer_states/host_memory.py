@@ -6,10 +6,11 @@ which rounds every request up to a power of two and would waste up to half of a 
 
 Start-up speed: a fresh buffer's pages do not exist until first touched, and one thread faulting them in
 (or cudaHostRegister doing it, single-threaded, inside the driver) runs at a few GB/s, so 80 GB of states
-took tens of seconds. We cut each buffer into page-aligned chunks and let a pool of threads fault each
-chunk in (torch ops release the GIL) and register it on its own: CUDA allows disjoint sub-ranges of one
-allocation to be registered separately, each then unregistered by its own start pointer. The same chunks
-serve callers that fill buffers in parallel (``parallel_chunks``), e.g. copying the fp32 masters in.
+took tens of seconds. We cut each buffer into page-aligned chunks and let a pool of threads fault the
+chunks in (torch ops release the GIL), then register each whole buffer once, the buffers in parallel. One
+registration per buffer, not per chunk: a copy that spans two separately registered ranges fails on the
+GPU ("invalid argument"), and subgroups cut buffers anywhere. The same chunks serve callers that fill
+buffers in parallel (``parallel_chunks``), e.g. copying the fp32 masters in.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ HOST_MEMORY_ENV = "DOS_HOST_MEMORY_GB"
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MIN_CHUNK_BYTES = 2 << 20  # below this, per-chunk overheads (a task, a registration) start to show
 MAX_CHUNK_BYTES = 256 << 20  # above this, the pool balances badly and the progress bar moves in jumps
+INLINE_BYTES = 64 << 20  # below this, fault-in and copy-in run in the calling thread
 PROGRESS_MIN_BYTES = 4 * GB  # smaller allocations never show a progress bar
 PROGRESS_DELAY_S = 2.0  # and larger ones only once they have taken this long
 
@@ -158,7 +160,10 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _run(tasks: list[tuple[int, Callable[[], object]]], desc: str | None) -> list[object]:
-    """Run each (bytes, fn) task in the pool with one progress bar over all their bytes; fn's results."""
+    """Run each (bytes, fn) task in the pool with one progress bar over all their bytes; fn's results.
+    Tasks of a small total run inline: a pool costs more than it saves there."""
+    if sum(n for n, _ in tasks) < INLINE_BYTES:
+        return [fn() for _, fn in tasks]
     bar = _progress_bar(sum(n for n, _ in tasks), desc)
     try:
         with _pool() as pool:
@@ -209,7 +214,8 @@ def _unregister_all(ptrs: list[int]) -> None:
 def host_empty_many(specs: Sequence[HostSpec], pin: bool, progress: str | None = None) -> list[torch.Tensor]:
     """Flat host tensors for ``specs`` (zero-filled where asked), page-locked when ``pin`` (needs CUDA).
 
-    One pool faults in and registers every chunk of every buffer in parallel; ``progress`` names a
+    One pool faults in every chunk of every buffer in parallel, then registers the buffers (one whole
+    registration each, in parallel); ``progress`` names a
     progress bar over all their bytes (shown only for big, slow allocations; None: never). A buffer whose
     registration fails falls back to torch's pinned allocator. Checks host capacity for the total first.
     Keep each returned tensor for the buffer's life: when it is freed, its chunks are unregistered.
@@ -222,31 +228,22 @@ def host_empty_many(specs: Sequence[HostSpec], pin: bool, progress: str | None =
         torch.cuda.init()
     tensors = [torch.empty(s.numel, dtype=s.dtype) for s in specs]
 
-    def chunk_task(i: int, start: int, end: int) -> tuple[int, int | None]:
-        t = tensors[i]
-        _fault_in(t, start, end, specs[i].zero)
-        if not pin:
-            return i, None
-        ptr = t.data_ptr() + start * t.element_size()
-        return i, ptr if _register(ptr, (end - start) * t.element_size()) else -1
-
-    tasks = [((e - s) * t.element_size(), lambda i=i, s=s, e=e: chunk_task(i, s, e))
+    tasks = [((e - s) * t.element_size(), lambda i=i, s=s, e=e: _fault_in(tensors[i], s, e, specs[i].zero))
              for i, t in enumerate(tensors) for s, e in buffer_chunks(t)]
-    registered: list[list[int]] = [[] for _ in tensors]
-    for i, ptr in _run(tasks, progress):
-        if ptr is not None:
-            registered[i].append(ptr)
-    for i, ptrs in enumerate(registered):
-        if pin and -1 in ptrs:  # some chunk failed: undo the others, use torch's allocator as before
-            _unregister_all([p for p in ptrs if p != -1])
+    _run(tasks, progress)
+    nonempty = [i for i, t in enumerate(tensors) if t.numel() > 0] if pin else []
+    done = _run([(0, lambda t=tensors[i]: _register(t.data_ptr(), t.numel() * t.element_size()))
+                 for i in nonempty], None)
+    for i, ok in zip(nonempty, done):
+        if not ok:  # use torch's allocator as before
             log.warning("cudaHostRegister failed for a %s buffer; using torch's pinned allocator",
                         format_bytes(tensors[i].numel() * tensors[i].element_size()))
             tensors[i] = torch.empty(0)  # free the pageable buffer before taking the pinned one
             tensors[i] = torch.empty(specs[i].numel, dtype=specs[i].dtype, pin_memory=True)
             if specs[i].zero:
                 tensors[i].zero_()
-        elif ptrs:
-            weakref.finalize(tensors[i], _unregister_all, ptrs)
+        else:
+            weakref.finalize(tensors[i], _unregister_all, [tensors[i].data_ptr()])
     seconds = time.perf_counter() - started
     log.info("host buffers: %s in %d (%s), %s available before, %.2f s, %.1f GB/s", format_bytes(total),
              len(specs), "pinned" if pin else "pageable", "?" if available is None else format_bytes(available),

@@ -107,7 +107,7 @@ class Subgroup:
     def scatter_params(self, src: torch.Tensor) -> None:
         """The model's params = src (flat fp32, on the params' device) rounded to each param's dtype."""
         for pc in self.pieces:
-            p = local(self.bucket.params[pc.i])
+            p = local(self.bucket.params[pc.i]).detach()  # the CPU worker thread is not under no_grad
             p.view(-1)[pc.lo : pc.hi].copy_(src[pc.at : pc.at + pc.hi - pc.lo], non_blocking=True)
 
     def runs(self, has_grad: list[bool]) -> list[tuple[int, int, int]]:

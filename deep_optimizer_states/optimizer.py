@@ -72,7 +72,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError(f"subgroup_size must be an int > 0 (elements per subgroup), got {subgroup_size!r}")
         if isinstance(staging_slots, bool) or not isinstance(staging_slots, int) or staging_slots < 1:
             raise ValueError(f"staging_slots must be an int >= 1, got {staging_slots!r}")
-        if max_grad_norm is not None and not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and not isinstance(
+                max_grad_norm, bool) and max_grad_norm > 0 and math.isfinite(max_grad_norm)):
             raise ValueError(f"max_grad_norm must be a finite float > 0 or None, got {max_grad_norm!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
@@ -87,7 +90,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         trainable = self._trainable()
         self.group = shard_group([p for params, _ in trainable for p in params])
         threads = cpu_threads_per_rank(cpu_threads)
-        if threads is not None:
+        if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self.layout = Layout(trainable, subgroup_size, self.device, local_ranks(),
                              None if self.group is None else lambda: torch.distributed.barrier(group=self.group))
@@ -187,9 +190,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return DynamicLossScaler()
         if loss_scale is None:
             return None
-        if isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0:
+        if (isinstance(loss_scale, (int, float)) and not isinstance(loss_scale, bool) and loss_scale > 0
+                and math.isfinite(loss_scale)):
             return DynamicLossScaler(init_scale=float(loss_scale))
-        raise ValueError(f"loss_scale must be 'auto', 'dynamic', None or a float > 0, got {loss_scale!r}")
+        raise ValueError(f"loss_scale must be 'auto', 'dynamic', None or a finite float > 0, got {loss_scale!r}")
 
     def _expose_state(self) -> None:
         """opt.state[p] holds step, exp_avg, exp_avg_sq and master (views into host memory) for every param

@@ -22,7 +22,9 @@ k* = 1 + t_link / t_cpu (``stride_formula``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
+
+import torch
 
 from .schedule import Placement, spread
 
@@ -81,22 +83,52 @@ def _two_phases(work_a: float, rate_a: float, alone_a: float, work_b: float, rat
     return end_a, end_b
 
 
+class Counts(NamedTuple):
+    """What a placement's price depends on: each path's element sum and subgroup count, and the sizes of
+    each path's first and last subgroups (0 when the path has none)."""
+
+    cpu_sum: float
+    staged_sum: float
+    resident_sum: float
+    cpu: int
+    staged: int
+    resident: int
+    cpu_first: float = 0
+    cpu_last: float = 0
+    staged_first: float = 0
+    staged_last: float = 0
+
+
+def counts(sizes: Sequence[float], places: Sequence[Placement]) -> Counts:
+    """The ``Counts`` of subgroups of ``sizes`` elements placed as ``places``."""
+    cpu = [n for n, p in zip(sizes, places) if p is Placement.CPU]
+    staged = [n for n, p in zip(sizes, places) if p is Placement.STAGED]
+    resident = [n for n, p in zip(sizes, places) if p is Placement.RESIDENT]
+    return Counts(sum(cpu), sum(staged), sum(resident), len(cpu), len(staged), len(resident),
+                  cpu[0] if cpu else 0, cpu[-1] if cpu else 0, staged[0] if staged else 0,
+                  staged[-1] if staged else 0)
+
+
+def _fills(k: Counts, r: Rates) -> tuple[float, float]:
+    cpu_fill = CPU_PATH_BYTES * (k.cpu_first / r.d2h + k.cpu_last / r.h2d) if k.cpu else 0.0
+    link_fill = STAGED_BYTES * k.staged_first / r.h2d + k.staged_last / r.gpu_adam if k.staged else 0.0
+    return cpu_fill, link_fill
+
+
 def fills(sizes: Sequence[float], places: Sequence[Placement], r: Rates) -> tuple[float, float]:
     """Transfers that nothing overlaps: the CPU path's first grad down and last master up; the staged path's
     first way in and last GPU update (the way back starts one transfer after the way in)."""
-    cpu = [n for n, p in zip(sizes, places) if p is Placement.CPU]
-    staged = [n for n, p in zip(sizes, places) if p is Placement.STAGED]
-    cpu_fill = CPU_PATH_BYTES * (cpu[0] / r.d2h + cpu[-1] / r.h2d) if cpu else 0.0
-    link_fill = STAGED_BYTES * staged[0] / r.h2d + staged[-1] / r.gpu_adam if staged else 0.0
-    return cpu_fill, link_fill
+    return _fills(counts(sizes, places), r)
 
 
 def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots: int = 2) -> Prediction:
     """Predicted update time for subgroups of ``sizes`` elements placed as ``places``."""
-    cpu_sizes = [n for n, p in zip(sizes, places) if p is Placement.CPU]
-    staged_sizes = [n for n, p in zip(sizes, places) if p is Placement.STAGED]
-    resident = sum(n for n, p in zip(sizes, places) if p is Placement.RESIDENT)
-    c, s = sum(cpu_sizes), sum(staged_sizes)
+    return price(counts(sizes, places), r, slots)
+
+
+def price(k: Counts, r: Rates, slots: int = 2) -> Prediction:
+    """Predicted update time of a placement given by its ``Counts``: constant time in the subgroup count."""
+    c, s, resident = k.cpu_sum, k.staged_sum, k.resident_sum
     turns = 1 if slots > 1 else 2  # one slot: the way in and the way back take turns
     link_work = STAGED_BYTES * s + CPU_PATH_BYTES * c  # bytes per direction
     if s:
@@ -105,25 +137,85 @@ def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots
     else:  # the CPU path alone: its rate already includes its own light traffic
         cpu_body, link_body = c / r.cpu_engine, link_work / r.link
     gpu_s = (s + resident) / r.gpu_adam + (s + c) / r.gpu_upcast
-    cpu_fill, link_fill = fills(sizes, places, r)
-    cpu_fill += len(cpu_sizes) * r.per_subgroup_s
+    cpu_fill, link_fill = _fills(k, r)
+    cpu_fill += k.cpu * r.per_subgroup_s
     seconds = max(cpu_body + cpu_fill, link_body + link_fill, gpu_s)
     body = max(cpu_body, link_body, gpu_s)
     busy = {"cpu": cpu_body, "link": link_body, "gpu": gpu_s}
     return Prediction(seconds, body, seconds - body, cpu_body, link_body, gpu_s,
-                      max(busy, key=busy.get), len(staged_sizes), len(cpu_sizes),
-                      sum(p is Placement.RESIDENT for p in places))
+                      max(busy, key=busy.get), k.staged, k.cpu, k.resident)
 
 
 def choose(sizes: Sequence[int], r: Rates, slots: int = 2) -> tuple[list[Placement], Prediction]:
-    """The placement with the least predicted time over every count of staged subgroups, spread evenly."""
-    best = None
-    for staged in range(len(sizes) + 1):
-        places = spread(len(sizes), staged)
-        pred = predict(sizes, places, r, slots)
-        if best is None or pred.seconds < best[1].seconds:
-            best = (places, pred)
-    return best
+    """The placement with the least predicted time over every count of staged subgroups, spread evenly.
+
+    Every count is priced at once from its sums and end subgroups (``_times_by_count``): a few vector
+    operations over the counts instead of a placement list per count. The winner (the smallest count among
+    equal times) gets the same prediction as ``predict`` gives its placement.
+    """
+    table = torch.tensor(sizes, dtype=torch.int64)
+    staged = int(torch.argmin(_times_by_count(table, r, slots)))
+    return spread(len(sizes), staged), price(_spread_counts(table, staged), r, slots)
+
+
+def _marks_below(table: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """For each staged count in ``s``: the elements of the subgroups ``spread`` stages. It marks index
+    (i * count) // s for i < s, so ceil(b * s / count) marks lie below index b; summed over the runs of
+    equal sizes (a layout's subgroups are near-equal, so there are few)."""
+    count = len(table)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(table[1:] != table[:-1]).flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([count])])
+    total = torch.zeros_like(s)
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        total += int(table[start]) * ((end * s + count - 1) // count - (start * s + count - 1) // count)
+    return total
+
+
+def _spread_counts(table: torch.Tensor, staged: int) -> Counts:
+    """``counts(sizes, spread(len(sizes), staged))`` without the placement list."""
+    count, total = len(table), int(table.sum())
+    if staged == 0:
+        return Counts(total, 0, 0, count, 0, 0, int(table[0]), int(table[-1]))
+    staged_sum = int(_marks_below(table, torch.tensor([staged]))[0])
+    first, last = int(table[0]), int(table[((staged - 1) * count) // staged])
+    if staged == count:
+        return Counts(0, staged_sum, 0, 0, count, 0, 0, 0, first, last)
+    first_cpu = int(table[-(-staged // (count - staged))])
+    return Counts(total - staged_sum, staged_sum, 0, count - staged, staged, 0, first_cpu, int(table[-1]), first,
+                  last)
+
+
+def _times_by_count(table: torch.Tensor, r: Rates, slots: int) -> torch.Tensor:
+    """``price(_spread_counts(table, s), r, slots).seconds`` for every s in 0..count, in float64 with the same
+    operations in the same order as ``price``, so the times are identical. With s in 1..count-1, the first
+    staged subgroup is 0, the last one (s - 1) * count // s, the first on the CPU ceil(s / (count - s)) and
+    the last on the CPU count - 1."""
+    count = len(table)
+    f64 = torch.float64
+    out = torch.empty(count + 1, dtype=f64)
+    out[0] = price(_spread_counts(table, 0), r, slots).seconds
+    out[count] = price(_spread_counts(table, count), r, slots).seconds
+    if count == 1:
+        return out
+    s = torch.arange(1, count, dtype=torch.int64)  # the mixes: at least one subgroup on each path
+    staged_sum = _marks_below(table, s)
+    total = int(table.sum())
+    cpu_sum = total - staged_sum
+    first_cpu = table[(s + (count - s) - 1) // (count - s)].to(f64)
+    last_staged = table[((s - 1) * count) // s].to(f64)
+    c, st = cpu_sum.to(f64), staged_sum.to(f64)
+    turns = 1 if slots > 1 else 2
+    link_work = (STAGED_BYTES * staged_sum + CPU_PATH_BYTES * cpu_sum).to(f64)
+    rate_b, alone_b = r.link_contended / turns, r.link / turns
+    together = torch.minimum(c / r.cpu_contended, link_work / rate_b)
+    cpu_body = together + (c - r.cpu_contended * together) / r.cpu_engine
+    link_body = together + (link_work - rate_b * together) / alone_b
+    gpu_s = st / r.gpu_adam + float(total) / r.gpu_upcast
+    cpu_fill = CPU_PATH_BYTES * (first_cpu / r.d2h + float(table[-1]) / r.h2d)
+    link_fill = STAGED_BYTES * float(table[0]) / r.h2d + last_staged / r.gpu_adam
+    cpu_fill = cpu_fill + (count - s).to(f64) * r.per_subgroup_s
+    out[1:count] = torch.maximum(torch.maximum(cpu_body + cpu_fill, link_body + link_fill), gpu_s)
+    return out
 
 
 def stride_places(count: int, k: int | None) -> list[Placement]:

@@ -1,8 +1,11 @@
 """The plan: where each subgroup is updated, from the user's schedule and, for "auto", the performance model.
 
-"auto" on a GPU asks the calibrated model (calibrating once per machine, then cached) for the placement
-with the least predicted update time, and plans again when the GPU memory free for staging slots changes.
-Without a GPU, staging means nothing, so "auto" keeps half of the subgroups on each path (both run).
+"auto" on a GPU asks the calibrated model for the placement with the least predicted update time, and
+plans again when the GPU memory free for staging slots changes. Calibration (seconds, and GPU memory) is
+never run while the optimizer is built: a stored calibration is used at once; without one, "auto" starts
+with a provisional plan (half of the subgroups staged, no prediction) and calibrates at the first
+``refresh`` (the first step) or at an explicit ``calibrate()``. Without a GPU, staging means nothing, so
+"auto" keeps half of the subgroups on each path (both run) and never calibrates.
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ REPLAN_CHANGE = 0.02  # "auto" plans again when a refined rate moved by more tha
 
 @dataclass(frozen=True)
 class Plan:
+    """One placement per subgroup, the staging slots it was planned for and the model's prediction (None
+    when there is none, e.g. for "auto" before calibration)."""
+
     schedule: Schedule
     placements: list[Placement]
     slots: int
@@ -46,16 +52,48 @@ class Planner:
         self.refiner = Refiner()
         self._observed = 0
         self._planned_factors = self.refiner.factors()
+        self._pending = False  # "auto" runs a provisional plan until calibration
+        self._announced = False
         self.current: Plan | None = None
 
     @property
     def calibrated(self) -> Rates:
-        """The machine's calibrated rates (measured on first use, then cached per machine)."""
+        """The machine's calibrated rates (a stored calibration, else measured now and stored)."""
         if self._calibrated is None:
-            from .calibrate import calibrated_rates
-
-            self._calibrated = calibrated_rates(self.device, log=log.info)
+            self._calibrated = self._stored() or self._measure()
         return self._calibrated
+
+    def _stored(self) -> Rates | None:
+        from .calibrate import cache_path, load_cached
+
+        rates = load_cached(self.device)
+        if rates is not None:
+            log.info("using the calibration stored in %s", cache_path(self.device))
+        return rates
+
+    def _measure(self) -> Rates:
+        from .calibrate import cache_path, calibrated_rates
+
+        if not self._announced:
+            self._announced = True
+            log.info("schedule 'auto': calibrating this machine's rates once (seconds); "
+                     "stored in %s and reused from there", cache_path(self.device))
+        return calibrated_rates(self.device, force=True, log=log.info)
+
+    def calibrate(self, force: bool = False) -> Rates:
+        """Load this machine's rates (measure and store them if none are stored, or if ``force``) and, for
+        "auto", plan with them now instead of at the first step."""
+        if force or self._calibrated is None:
+            self._calibrated = (None if force else self._stored()) or self._measure()
+        self._pending = False
+        if self.current is not None and self.current.schedule == "auto":
+            self.plan("auto")
+        return self._calibrated
+
+    @property
+    def pending(self) -> bool:
+        """Whether "auto" runs a provisional plan that waits for calibration (at the next ``refresh``)."""
+        return self._pending
 
     @property
     def factors(self) -> dict[str, float]:
@@ -86,9 +124,11 @@ class Planner:
         self.refiner.learn(self.sizes, self.current.placements, max(self.current.slots, 1), self._calibrated, stats)
 
     def plan(self, schedule: Schedule) -> Plan:
-        """A new plan for ``schedule``."""
+        """A new plan for ``schedule``. Never measures: "auto" on a GPU without stored rates gets a provisional
+        plan (half of the subgroups staged, no prediction) until ``refresh`` or ``calibrate``."""
         schedule = validate_schedule(schedule)
         slots = self.slots_that_fit()
+        pending = False
         if schedule != "auto" or self.device.type != "cuda":
             places = placements(schedule, len(self.sizes))
             rates = self.known_rates()
@@ -96,24 +136,39 @@ class Planner:
         elif slots == 0:
             places, pred = placements("cpu", len(self.sizes)), None
         else:
-            try:
+            if self._calibrated is None:
+                self._calibrated = self._stored()
+            if self._calibrated is None:
+                places, pred, pending = placements("auto", len(self.sizes)), None, True
+            else:
                 places, pred = choose(self.sizes, self.rates, slots)
-            except (MemoryError, torch.cuda.OutOfMemoryError) as e:  # no room to calibrate: a fixed split
-                warnings.warn(f"cannot calibrate ({e}); schedule 'auto' stages half of the subgroups")
-                places, pred = placements("auto", len(self.sizes)), None
         self.current = Plan(schedule, places, slots, pred)
+        self._pending = pending
         self._planned_factors = self.factors
         return self.current
 
     def refresh(self) -> Plan:
-        """The current plan, planned again if "auto" and the staging memory that fits or a refined rate has
-        changed."""
-        auto_on_gpu = self.current.schedule == "auto" and self.device.type == "cuda"
+        """The current plan; for "auto" on a GPU, calibrated first if it is still provisional, and planned
+        again if the staging memory that fits or a refined rate has changed."""
+        if self.current.schedule != "auto" or self.device.type != "cuda":
+            return self.current
+        if self._pending:
+            self._calibrate_for_auto()
+            return self.current
         now = self.factors
         moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now)
-        if auto_on_gpu and (moved or self.slots_that_fit() != self.current.slots):
-            return self.plan("auto")
+        if moved or self.slots_that_fit() != self.current.slots:
+            self.plan("auto")
+            if self._pending:
+                self._calibrate_for_auto()
         return self.current
+
+    def _calibrate_for_auto(self) -> None:
+        try:
+            self.calibrate()
+        except (MemoryError, torch.cuda.OutOfMemoryError) as e:  # no room to calibrate: keep the fixed split
+            self._pending = False
+            warnings.warn(f"cannot calibrate ({e}); schedule 'auto' stages half of the subgroups")
 
     def slots_that_fit(self) -> int:
         """How many staging slots (up to ``max_slots``) fit in the GPU memory free right now."""

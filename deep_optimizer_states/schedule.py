@@ -31,8 +31,10 @@ def validate_schedule(schedule: Schedule) -> Schedule:
 
 def spread(count: int, staged: int) -> list[Placement]:
     """``staged`` of ``count`` subgroups staged, spread evenly (the first one staged)."""
-    marks = {(i * count) // staged for i in range(staged)} if staged else set()
-    return [Placement.STAGED if i in marks else Placement.CPU for i in range(count)]
+    places = [Placement.CPU] * count
+    for i in range(staged):
+        places[(i * count) // staged] = Placement.STAGED
+    return places
 
 
 def placements(schedule: Schedule, count: int) -> list[Placement]:

@@ -26,7 +26,8 @@ def test_calibrate_prints_each_rate_with_its_unit(capsys):
     assert "from the cache" in capsys.readouterr().out
 
 
-def test_plan_json_is_consistent(capsys):
+def test_plan_json_is_consistent(capsys, monkeypatch):
+    monkeypatch.setenv("DOS_HOST_MEMORY_GB", "1000")
     assert main(["plan", "--params", "2e8", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["params"] == 200_000_000 and plan["staged"] + plan["on_cpu"] == plan["subgroups"]
@@ -35,7 +36,8 @@ def test_plan_json_is_consistent(capsys):
     assert plan["bottleneck"] in ("cpu", "link", "gpu")
 
 
-def test_plan_under_a_small_gpu_budget_stages_nothing(capsys):
+def test_plan_under_a_small_gpu_budget_stages_nothing(capsys, monkeypatch):
+    monkeypatch.setenv("DOS_HOST_MEMORY_GB", "1000")
     assert main(["plan", "--params", "2e9", "--gpu-memory-gb", "8", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert plan["staging_slots"] == 0 and plan["staged"] == 0
@@ -52,6 +54,7 @@ def test_bench_smoke_on_cpu(capsys, tmp_path):
     assert all(r["max_rel_err_vs_torch"] < 1e-6 for r in rows)
 
 
-def test_bench_refuses_a_negative_probe_count():
-    with pytest.raises(SystemExit, match="--probes must be 0 or more"):
+def test_bench_refuses_a_negative_probe_count(capsys):
+    with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--model", "tiny", "--probes", "-1"])
+    assert exit_info.value.code == 2 and "argument --probes: must be 0 or more" in capsys.readouterr().err

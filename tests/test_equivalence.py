@@ -193,3 +193,15 @@ def test_an_error_inside_the_update_propagates_and_the_next_step_works(monkeypat
     monkeypatch.setattr(engine, "adam_update", real)
     opt.step()
     assert _steps(opt) == 1
+
+
+def test_cpu_path_in_a_worker_thread_as_on_a_gpu_machine():
+    """On a GPU the CPU path runs in the engine's worker thread, where the caller's no_grad does not reach;
+    run it there on the CPU too, so that the threaded path is covered without a GPU."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=5000, schedule=2)
+    opt.engine._worker = ThreadPoolExecutor(1)
+    train_and_compare(model, opt, steps=5)
+    opt.close()

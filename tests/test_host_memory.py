@@ -100,6 +100,7 @@ def test_host_bytes_counts_every_buffer():
 
 def test_parallel_chunks_runs_every_chunk_once_in_several_threads(monkeypatch):
     monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)
+    monkeypatch.setattr(hm, "INLINE_BYTES", 0)
     (t,) = hm.host_empty_many([HostSpec(2_000_003, torch.float32, zero=False)], pin=False)
     src = torch.arange(t.numel(), dtype=torch.bfloat16)
     seen, threads = [], set()
@@ -114,6 +115,12 @@ def test_parallel_chunks_runs_every_chunk_once_in_several_threads(monkeypatch):
     assert sorted(seen) == hm.buffer_chunks(t)
     assert torch.equal(t, src.float())
     assert threading.get_ident() not in threads  # ran in the pool
+
+
+def test_small_totals_run_inline_without_a_pool(monkeypatch):
+    monkeypatch.setattr(hm, "_pool", lambda: pytest.fail("a pool for a small allocation"))
+    (t,) = hm.host_empty_many([HostSpec(1000, torch.float32)], pin=False)
+    assert not t.any()
 
 
 def test_parallel_chunks_reraises_errors():
@@ -179,14 +186,14 @@ def test_pageable_path_never_touches_cuda(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_pinned_buffers_are_pinned_and_copies_across_chunk_cuts_work(numel, monkeypatch):
-    monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)  # many registrations, many cuts to cross
+    monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)  # many chunks, many cuts to cross
     master, m = hm.host_empty_many([HostSpec(numel, torch.float32, zero=False), HostSpec(numel, torch.float32)],
                                    pin=True)
     assert master.is_pinned() and m.is_pinned() and not m.any()
     src = torch.randn(numel, device="cuda")
     hm.parallel_chunks(master, lambda s, e: master[s:e].copy_(src[s:e]))
     assert torch.equal(master, src.cpu())
-    # one copy over the whole buffer spans every registration cut, both ways
+    # one copy over the whole buffer spans every chunk cut, both ways
     back = torch.empty_like(src)
     back.copy_(master, non_blocking=True)
     m.copy_(back, non_blocking=True)
@@ -198,15 +205,14 @@ def test_pinned_buffers_are_pinned_and_copies_across_chunk_cuts_work(numel, monk
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_each_chunk_is_its_own_registration(monkeypatch):
-    """Every chunk start unregisters on its own (what the finalizer does); after that the buffer is pageable."""
+def test_each_buffer_is_one_registration(monkeypatch):
+    """Faulted in by chunks, registered whole: one unregister of the start pointer unpins all of it (what the
+    finalizer does), so no copy ever spans two registrations."""
     monkeypatch.setattr(hm, "MIN_CHUNK_BYTES", PAGE)
     (t,) = hm.host_empty_many([HostSpec(10_000_000, torch.float32)], pin=True)
-    chunks = hm.buffer_chunks(t)
-    assert len(chunks) > 1
+    assert len(hm.buffer_chunks(t)) > 1
     cudart = torch.cuda.cudart()
-    ranges = [(t.data_ptr() + 4 * s, 4 * (e - s)) for s, e in chunks]
-    assert [int(cudart.cudaHostUnregister(p)) for p, _ in ranges] == [0] * len(ranges)
+    assert int(cudart.cudaHostUnregister(t.data_ptr())) == 0
     assert not t.is_pinned()
-    assert [int(cudart.cudaHostRegister(p, n, 0)) for p, n in ranges] == [0] * len(ranges)  # for the finalizer
+    assert int(cudart.cudaHostRegister(t.data_ptr(), 4 * t.numel(), 0)) == 0  # for the finalizer
     assert t.is_pinned()

@@ -1,0 +1,47 @@
+#!/bin/bash
+# One call on a multi-GPU machine (nvidia-h200-x2): peers' wheels installed once, then the steps in order,
+# results kept in /tmp/dist (it survives between calls while the machine stays warm) and copied to $OUT
+# after each step. A step that would start after DEADLINE seconds is left for the next call.
+#
+#   bench/dist_call.sh DEADLINE STEP...   STEP: run:SYSTEM:MODEL:RANKS | gputest | startup:SIZES:PRESETS
+#   e.g. bench/dist_call.sh 560 gputest run:ours:5.2b:2 run:fsdp2_offload:5.2b:2 run:deepspeed:5.2b:2
+#
+# Threads: torchrun sets OMP_NUM_THREADS=1 for every rank. The peers get what their docs recommend,
+# OMP_NUM_THREADS = cores / ranks; ours runs with torchrun's default and picks its own count.
+set -u
+export PYTHONUNBUFFERED=1 DOS_CACHE_DIR=/tmp/dos NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+       NVSHMEM_DISABLE_NVLS=1
+[ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+R=/tmp/dist
+mkdir -p "$R"
+cores=$(nproc)
+deadline=$1
+shift
+for step in "$@"; do
+  IFS=: read -r kind a b c <<< "$step"
+  left=$((deadline - SECONDS))
+  if [ $left -le 0 ]; then echo "deadline: $step not started"; continue; fi
+  case $kind in
+    run)
+      threads=""
+      [ "$a" != ours ] && threads="OMP_NUM_THREADS=$((cores / c))"
+      log=$R/$a-$b-$c.log
+      env $threads timeout $left torchrun --standalone --nproc_per_node "$c" -m bench.dist_run --system "$a" \
+          --model "$b" --warmup 2 --iters 5 > "$log" 2>&1
+      rc=$?
+      if tr '\r' '\n' < "$log" | grep -q '^RESULT '; then
+        tr '\r' '\n' < "$log" | grep '^RESULT ' | sed 's/^RESULT //' >> $R/dist.jsonl
+      else
+        echo "{\"system\": \"$a\", \"model\": \"$b\", \"ranks\": $c, \"status\": \"no result (rc $rc)\"}" >> $R/dist.jsonl
+      fi
+      echo "rc=$rc $step"; tr '\r' '\n' < "$log" | grep '^RESULT ' | cut -c1-700 || tail -5 "$log" ;;
+    gputest) DOS_GPU_REPEATS=2 timeout $left python3 -m pytest -q -m gpu tests/gpu tests/test_host_memory.py 2>&1 \
+               > $R/gpu-tests.log; grep -E "^(FAILED|ERROR)|passed|failed" $R/gpu-tests.log | tail -15 ;;
+    startup) timeout $left python3 -m bench.startup --sizes "$a" --single-gb 4 --optimizer "$b" \
+               --out $R/startup.jsonl 2>&1 | tee $R/startup.log ;;
+    *) echo "unknown step $step" ;;
+  esac
+  cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null
+done

@@ -1,0 +1,186 @@
+"""Time one data-parallel system on every rank of one host; rank 0 prints one ``RESULT {json}`` line.
+
+    torchrun --standalone --nproc_per_node 2 -m bench.dist_run --system ours --model 5.2b
+
+Systems, each with every optimizer state on the host:
+  ours            FSDP2 fully_shard per decoder layer and the root, bf16 sharded params and grads on the GPU,
+                  DeepOptimizerStates(schedule="auto") over each rank's shards (fp32 states pinned on the host)
+  fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
+                  reduce), torch's fused CPU AdamW
+  deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
+Every rank trains its own micro-batch (4 x 1024 by default). Phases are timed with a device synchronize and a
+barrier around each, so a phase ends when the slowest rank ends it; the result is the median iteration.
+Thread counts: torchrun sets OMP_NUM_THREADS=1; the peers are given what their docs recommend (set
+OMP_NUM_THREADS to cores / local ranks when launching), ours sets its own (cores / local ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from bench.run_system import RESULT, _host_peak_gb, _is_oom, batch
+from deep_optimizer_states.models import PRESETS, llama
+
+LR, WEIGHT_DECAY = 1e-4, 0.01
+
+
+def _ours(preset: str, device: torch.device, micro_batch: int):
+    from torch.distributed.fsdp import fully_shard
+
+    from deep_optimizer_states import DeepOptimizerStates
+
+    model = llama(preset, torch.bfloat16, device)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule="auto")
+
+    def extra() -> dict:
+        u = opt.last_update
+        return {"update_s": u.seconds, "staged_subgroups": u.staged_subgroups, "subgroups": len(opt.layout.subgroups),
+                "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads()}
+
+    settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
+                "DeepOptimizerStates(schedule='auto') over each rank's shards, fp32 states pinned on the host")
+    return model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt, extra, settings
+
+
+def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    model = llama(preset, torch.float32, "cpu")
+    for module in model.modules():  # rotary buffers must live on the GPU; params stay on the host
+        for name, buf in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buf.to(device))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload = CPUOffloadPolicy(pin_memory=True)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mp_policy=mp, offload_policy=offload)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    settings = ("FSDP2 fully_shard per layer + root, CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy "
+                "(fp32 reduce), torch.optim.AdamW(fused=True) on the host")
+    return (model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt,
+            lambda: {"cpu_threads": torch.get_num_threads()}, settings)
+
+
+def _deepspeed(preset: str, device: torch.device, micro_batch: int):
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                    "sub_group_size": 100_000_000,
+                                    "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = llama(preset, dtype=None, device=None)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+
+    class Step:
+        def step(self) -> None:
+            engine.step()
+
+        def zero_grad(self) -> None:
+            pass
+
+    settings = ("DeepSpeed ZeRO-3, offload_optimizer cpu (pin_memory), bf16, sub_group_size 1e8, overlap_comm, "
+                "contiguous_gradients; DeepSpeedCPUAdam")
+    return (engine, lambda ids: engine(input_ids=ids, labels=ids).loss, engine.backward, Step(),
+            lambda: {"omp_threads": os.environ.get("OMP_NUM_THREADS")}, settings)
+
+
+SYSTEMS = {"ours": _ours, "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
+
+
+def _phase(device: torch.device, fn):
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    t = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize(device)
+    dist.barrier()
+    return out, time.perf_counter() - t
+
+
+def _gathered(value: float) -> list[float]:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    hidden, layers, vocab = PRESETS[preset]
+    row = {"system": system, "model": preset, "ranks": world, "gpu": torch.cuda.get_device_name(device),
+           "torch": torch.__version__, "micro_batch_per_rank": micro_batch, "seq": seq, "hidden": hidden,
+           "layers": layers, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
+    try:
+        t0 = time.perf_counter()
+        model, forward, backward, opt, extra, settings = SYSTEMS[system](preset, device, micro_batch)
+        torch.cuda.synchronize(device)
+        dist.barrier()
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+        row.update(setup_s=round(time.perf_counter() - t0, 2), params=params, settings=settings)
+        ids = batch(micro_batch, seq, vocab, device)
+        phases, losses = [], []
+        for _ in range(warmup + iters):
+            loss, fwd = _phase(device, lambda: forward(ids))
+            _, bwd = _phase(device, lambda: backward(loss))
+
+            def step():
+                opt.step()
+                opt.zero_grad()
+
+            _, upd = _phase(device, step)
+            losses.append(loss.item())
+            phases.append((fwd, bwd, upd))
+        measured = sorted(phases[warmup:], key=sum)
+        fwd, bwd, step_s = measured[len(measured) // 2]
+        peak = _gathered(torch.cuda.max_memory_allocated(device) / 1e9)
+        row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
+                   iter_s=round(fwd + bwd + step_s, 4),
+                   iter_median_s=round(statistics.median(sum(p) for p in phases[warmup:]), 4),
+                   aggregate_update_Gparams_per_s=round(params / step_s / 1e9, 3), losses=losses,
+                   peak_gpu_GB_per_rank=round(max(peak), 2), **extra())
+    except Exception as e:  # a system that cannot run is a result too
+        import traceback
+
+        row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],
+                   traceback=traceback.format_exc()[-2000:])
+    host = _gathered(_host_peak_gb() or 0.0)
+    row["host_peak_GB_all_ranks"] = round(sum(host), 2)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--system", required=True, choices=sorted(SYSTEMS))
+    parser.add_argument("--model", default="5.2b", choices=sorted(PRESETS))
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    args = parser.parse_args(argv)
+    dist.init_process_group("nccl")
+    try:
+        row = run(args.system, args.model, args.iters, args.warmup, args.micro_batch, args.seq)
+        if dist.get_rank() == 0:
+            print(RESULT + json.dumps(row), flush=True)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""FSDP2 on NCCL with real CUDA streams: every step equals a single-process torch.optim.AdamW (2 GPUs)."""
+
+import pytest
+import torch
+
+from tests.test_fsdp2 import torchrun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+@pytest.mark.parametrize("schedule", ["cpu", "2", "gpu", "auto"])
+def test_fsdp2_on_two_gpus_matches_adamw(schedule):
+    out = torchrun(2, "train", "--steps", "8", "--schedule", schedule, "--device", "cuda")
+    assert out.count("8 steps equal torch AdamW") == 2
+
+
+def test_dcp_resharding_on_gpus(tmp_path):
+    common = ["--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path), "--device", "cuda"]
+    torchrun(2, "save", *common)
+    torchrun(1, "load", *common)
+    torchrun(2, "load", *common)
+    a = torch.load(tmp_path / "uninterrupted_2.pt")
+    assert all(torch.equal(x, y) for x, y in zip(a, torch.load(tmp_path / "resumed_2.pt")))
+    for x, y in zip(a, torch.load(tmp_path / "resumed_1.pt")):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
