@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -77,24 +78,61 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def _distributed(device: torch.device) -> tuple[torch.device, int, int]:
+    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU) and take
+    this rank's GPU; returns (device, rank, world size)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return device, 0, 1
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def _shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: each decoder layer, then the root, sharded over every rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    return fully_shard(model)
+
+
 def _train(args: argparse.Namespace) -> int:
-    """Train a Llama-style model on random tokens, checking every step against torch's AdamW."""
+    """Train a Llama-style model on random tokens, checking every step against torch's AdamW. Under torchrun
+    the model is sharded with FSDP2 and each rank trains its own batches (the check then runs per shard)."""
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    device, rank, world = _distributed(device)
+    try:
+        return _train_loop(args, device, rank, world)
+    finally:
+        if world > 1:
+            torch.distributed.destroy_process_group()
+
+
+def _train_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
     from .models import llama
     from .optimizer import DeepOptimizerStates
     from .reference import ReferenceAdamW
 
-    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     model = llama(args.model, torch.bfloat16, device)
     numel = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        model = _shard(model)
     size = args.subgroup_size or max(SMALLEST_SUBGROUP, min(25_000_000, math.ceil(numel / 8)))
     opt = DeepOptimizerStates(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
                               schedule=args.schedule, max_grad_norm=1.0)
     ref = ReferenceAdamW(opt) if args.check else None
     places = opt.placements
-    print(f"model {args.model}: {numel / 1e6:.1f}M params in {len(places)} subgroups on {device}; schedule "
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"model {args.model}: {numel / 1e6:.1f}M params" + (f", FSDP2 over {world} ranks" if world > 1 else "")
+        + f" in {len(places)} subgroups per rank on {device}; schedule "
           f"{args.schedule!r}: {places.count(places[0].STAGED)} staged, {places.count(places[0].CPU)} on the CPU"
           + (" (provisional: 'auto' calibrates at the first step)" if opt.planner.pending else ""))
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + rank)  # every rank its own batches
     worst = 0.0
     for step in range(1, args.steps + 1):
         ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen).to(device)
@@ -108,15 +146,26 @@ def _train(args: argparse.Namespace) -> int:
         line = (f"step {step:3d}  loss {loss.item():.4f}  grad norm {opt.last_grad_norm.item():.3f}  "
                 f"update {opt.last_update.seconds * 1e3:7.1f} ms  iteration {(time.perf_counter() - t0) * 1e3:7.1f} ms")
         if ref is not None:
-            err = max(ref.relative_errors())
+            err = _worst(max(ref.relative_errors()), world)
             worst = max(worst, err)
             line += f"  max rel. err vs torch.optim.AdamW {err:.1e}"
-        print(line, flush=True)
+        say(line, flush=True)
     if ref is not None:
         verdict = "matches" if worst < 1e-6 else "DIFFERS FROM"
-        print(f"{verdict} torch.optim.AdamW on fp32 masters (worst relative error {worst:.1e}, bar 1e-6)")
+        say(f"{verdict} torch.optim.AdamW on fp32 masters (worst relative error {worst:.1e}, bar 1e-6)")
         return 0 if worst < 1e-6 else 1
     return 0
+
+
+def _worst(err: float, world: int) -> float:
+    """The largest of every rank's ``err``."""
+    if world == 1:
+        return err
+    t = torch.tensor([err], dtype=torch.float64)
+    if torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built wit
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
 
 
-def torchrun(ranks: int, *args: str) -> str:
+def torchrun(ranks: int, *args: str, target: list[str] | None = None) -> str:
+    """Run ``target`` (the worker script by default) on ``ranks`` CPU processes; its stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-           str(WORKER), *args]
+           *(target or [str(WORKER)]), *args]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
     assert run.returncode == 0, f"{' '.join(cmd)} failed:\n{run.stdout[-4000:]}\n{run.stderr[-8000:]}"
     return run.stdout
@@ -61,3 +62,9 @@ def test_single_process_state_dict_from_sharded_ranks(tmp_path):
         assert type(entry["master_param"]) is torch.Tensor and entry["master_param"].shape == p.shape, fqn
         assert torch.equal(entry["master_param"], p), f"{fqn}: fp32 params are their masters"
         assert float(entry["step"]) == 3 and bool((entry["exp_avg_sq"] >= 0).all())
+
+
+def test_dos_train_under_torchrun_shards_with_fsdp2_and_matches_adamw():
+    out = torchrun(2, "train", "--steps", "3", "--schedule", "2", target=["-m", "deep_optimizer_states"])
+    assert "FSDP2 over 2 ranks" in out
+    assert "matches torch.optim.AdamW" in out and out.count("step ") == 3  # rank 0 alone prints
