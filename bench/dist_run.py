@@ -54,18 +54,9 @@ def _ours(preset: str, device: torch.device, micro_batch: int):
 
 
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from bench.systems import fsdp2_offload_model
 
-    model = llama(preset, torch.float32, "cpu")
-    for module in model.modules():  # rotary buffers must live on the GPU; params stay on the host
-        for name, buf in list(module.named_buffers(recurse=False)):
-            setattr(module, name, buf.to(device))
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=True)
-    for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp, offload_policy=offload)
-    fully_shard(model, mp_policy=mp, offload_policy=offload)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    model, opt = fsdp2_offload_model(preset, device)
     settings = ("FSDP2 fully_shard per layer + root, CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy "
                 "(fp32 reduce), torch.optim.AdamW(fused=True) on the host")
     return (model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt,

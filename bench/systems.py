@@ -116,13 +116,11 @@ def torchao_offload(preset: str, device: torch.device, batch: int) -> Trainer:
     return _plain(model, opt, device, "torchao CPUOffloadOptimizer(AdamW, fused=True), fp32 params, bf16 autocast")
 
 
-def fsdp2_offload(preset: str, device: torch.device, batch: int) -> Trainer:
-    import torch.distributed as dist
+def fsdp2_offload_model(preset: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2 fully_shard per decoder layer and the root over the current process group, with
+    CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32 reduce) and torch's fused CPU AdamW."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29512")
-    dist.init_process_group("nccl", rank=0, world_size=1)
     model = llama(preset, torch.float32, "cpu")
     for module in model.modules():  # rotary buffers must live on the GPU; params stay on the host
         for name, buf in list(module.named_buffers(recurse=False)):
@@ -132,7 +130,16 @@ def fsdp2_offload(preset: str, device: torch.device, batch: int) -> Trainer:
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+
+def fsdp2_offload(preset: str, device: torch.device, batch: int) -> Trainer:
+    import torch.distributed as dist
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    model, opt = fsdp2_offload_model(preset, device)
     trainer = _plain(model, opt, device, "FSDP2 fully_shard per layer, CPUOffloadPolicy(pin_memory=True), "
                      "bf16 MixedPrecisionPolicy, fused CPU AdamW")
     trainer.forward = lambda ids: model(input_ids=ids, labels=ids).loss

@@ -56,26 +56,20 @@ def _schedules(text: str) -> list[str | int]:
     return [_schedule(t) for t in text.split(",")]
 
 
-def positive_int(text: str) -> int:
-    """An int >= 1 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
-    return value
+def _int_at_least(lowest: int):
+    """An argparse type: an int >= ``lowest``."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lowest}, got {text}")
+        return value
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An int >= 0 (argparse type)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
+positive_int, nonnegative_int = _int_at_least(1), _int_at_least(0)
 
 
 def _distributed(device: torch.device) -> tuple[torch.device, int, int]:

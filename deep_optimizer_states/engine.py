@@ -69,6 +69,7 @@ class UpdateStats:
     d2h_bytes: int
     lane_seconds: dict[str, float]  # busy time of each lane: grads_down, params_up, stage_in, gpu, stage_out
     staged_window_s: float  # from the first staged subgroup's way in to the last one's way back
+    device_bytes: int = 0  # GPU memory the update allocated: staging slots and the CPU path's scratch
 
 
 class _Slot:
@@ -161,7 +162,10 @@ class Engine:
             f.result()  # re-raises an error of the CPU worker
         window = Lane.window_seconds(self.stage_in, self.stage_out)
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
-        return self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
+        stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
+        stats.device_bytes = sum(4 * t.numel() for t in (down, up) if t is not None) + sum(
+            16 * slot.p.numel() for slot in slots)
+        return stats
 
     def _buffers(self, jobs: list[Job], count: int):
         """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""

@@ -336,6 +336,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._norm_cache = None
 
+    def memory(self) -> dict[str, int]:
+        """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), and the GPU
+        memory its last update allocated and freed (staging slots, the CPU path's scratch)."""
+        self._open()
+        return {"host_bytes": self.layout.bytes()["host"],
+                "device_update_bytes": self.last_update.device_bytes if self.last_update else 0}
+
     def calibrate(self) -> None:
         """Measure this machine's rates now (else "auto" does it at the first step); cached per machine."""
         self.planner.calibrate()

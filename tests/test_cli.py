@@ -57,4 +57,4 @@ def test_bench_smoke_on_cpu(capsys, tmp_path):
 def test_bench_refuses_a_negative_probe_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--model", "tiny", "--probes", "-1"])
-    assert exit_info.value.code == 2 and "argument --probes: must be 0 or more" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "argument --probes: must be an integer >= 0" in capsys.readouterr().err

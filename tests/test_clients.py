@@ -186,6 +186,31 @@ def test_accelerate_prepare_train_save_load_state_and_save_model(tmp_path):
     assert len(keys) == len(list(model2.parameters())) == len(model2.state_dict())
 
 
+
+def test_accelerate_prepare_moves_no_optimizer_state(monkeypatch):
+    """Accelerate's prepare round-trips the optimizer's state_dict through its device. A fresh optimizer has
+    no per-param state yet (as torch's), so nothing offloaded is copied there; a Trainer loads its
+    checkpoint's optimizer state after prepare, into the host buffers."""
+    accelerate = pytest.importorskip("accelerate")
+    import accelerate.optimizer as acc_opt
+
+    moved = []
+    real = acc_opt.move_to_device
+
+    def counting(state, device):
+        if isinstance(state, torch.Tensor):
+            moved.append(tuple(state.shape))
+        return real(state, device)
+
+    monkeypatch.setattr(acc_opt, "move_to_device", counting)
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-3, schedule="cpu")
+    acc = _accelerator()
+    model, prepared = acc.prepare(model, opt)
+    assert isinstance(prepared, accelerate.optimizer.AcceleratedOptimizer)
+    assert [s for s in moved if s] == [], "no state tensor of the optimizer goes through the device"
+    assert opt.master(next(iter(opt.param_groups[0]["params"]))).device.type == "cpu"
+
 # ---- 3. transformers Trainer ----------------------------------------------------------------------------------
 class _TokenData(torch.utils.data.Dataset):
     def __init__(self, n: int = 24, seq: int = 16, seed: int = 11) -> None:

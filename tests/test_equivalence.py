@@ -205,3 +205,14 @@ def test_cpu_path_in_a_worker_thread_as_on_a_gpu_machine():
     opt.engine._worker = ThreadPoolExecutor(1)
     train_and_compare(model, opt, steps=5)
     opt.close()
+
+
+def test_memory_report_counts_host_states_and_update_buffers():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule="gpu")
+    n = sum(p.numel() for p in model.parameters())
+    assert opt.memory() == {"host_bytes": 16 * n, "device_update_bytes": 0}
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    biggest = max(sg.numel for sg in opt.layout.subgroups)
+    assert opt.memory()["device_update_bytes"] == 16 * biggest * min(2, len(opt.layout.subgroups))

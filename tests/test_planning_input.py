@@ -89,7 +89,7 @@ def test_plan_for_a_trillion_params_answers_in_well_under_a_second(monkeypatch, 
     (["train", "--subgroup-size", "0"], "argument --subgroup-size: must be an integer >= 1"),
     (["train", "--schedule", "0"], "argument --schedule: schedule k must be >= 1"),
     (["bench", "--subgroup-size", "-3"], "argument --subgroup-size: must be an integer >= 1"),
-    (["bench", "--probes", "-1"], "argument --probes: must be 0 or more"),
+    (["bench", "--probes", "-1"], "argument --probes: must be an integer >= 0"),
 ])
 def test_bad_arguments_are_refused_by_argparse(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
