@@ -128,7 +128,8 @@ class Engine:
         self.device = device
         self.lanes = {name: Lane(device) for name in ("grads_down", "params_up", "stage_in", "gpu", "stage_out")}
         self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out = self.lanes.values()
-        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam")
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam", initializer=torch.cuda.set_device,
+                                           initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
         self._warned_fallback = False
 

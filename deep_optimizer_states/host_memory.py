@@ -159,10 +159,12 @@ def _pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers())
 
 
-def _run(tasks: list[tuple[int, Callable[[], object]]], desc: str | None) -> list[object]:
+def _run(tasks: list[tuple[int, Callable[[], object]]], desc: str | None, inline_small: bool = True) -> list[object]:
     """Run each (bytes, fn) task in the pool with one progress bar over all their bytes; fn's results.
-    Tasks of a small total run inline: a pool costs more than it saves there."""
-    if sum(n for n, _ in tasks) < INLINE_BYTES:
+    Tasks of a small total run inline (a pool costs more than it saves there) unless ``inline_small`` is off."""
+    if not tasks:
+        return []
+    if inline_small and sum(n for n, _ in tasks) < INLINE_BYTES:
         return [fn() for _, fn in tasks]
     bar = _progress_bar(sum(n for n, _ in tasks), desc)
     try:
@@ -232,8 +234,9 @@ def host_empty_many(specs: Sequence[HostSpec], pin: bool, progress: str | None =
              for i, t in enumerate(tensors) for s, e in buffer_chunks(t)]
     _run(tasks, progress)
     nonempty = [i for i, t in enumerate(tensors) if t.numel() > 0] if pin else []
-    done = _run([(0, lambda t=tensors[i]: _register(t.data_ptr(), t.numel() * t.element_size()))
-                 for i in nonempty], None)
+    done = _run([(tensors[i].numel() * tensors[i].element_size(),
+                  lambda t=tensors[i]: _register(t.data_ptr(), t.numel() * t.element_size())) for i in nonempty], None,
+                inline_small=False)  # in pool threads, always: see _register
     for i, ok in zip(nonempty, done):
         if not ok:  # use torch's allocator as before
             log.warning("cudaHostRegister failed for a %s buffer; using torch's pinned allocator",

@@ -231,6 +231,8 @@ class Layout:
                     what = f"it moved from {self.device} to {t.device}"
                 elif t.numel() != b.sizes[i]:
                     what = f"its size changed to {t.numel()} elements"
+                elif not t.is_contiguous():
+                    what = "it is no longer contiguous (p.data was replaced by a strided tensor)"
                 if what:
                     raise RuntimeError(f"param {b.names[i]}: {what} after the optimizer was built. The optimizer "
                                        "would update buffers the model no longer uses: change dtype or device "

@@ -208,6 +208,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master weight of ``p`` (its local shard under FSDP2): a view into pinned host memory."""
         self._open()
+        self.layout.take_edits()
         if id(p) not in self.layout.where:
             raise KeyError("this param has no master: it is not in the optimizer, or had requires_grad=False "
                            "when the optimizer was built")
@@ -332,9 +333,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return multipliers
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch: grads to None (or zeroed in place with ``set_to_none=False``)."""
+        """As torch: grads to None (or zeroed in place with ``set_to_none=False``); a pending
+        ``clip_grad_norm_`` belongs to the gradients it measured and is dropped with them."""
         super().zero_grad(set_to_none)
-        self._norm_cache = None
+        self._norm_cache, self._clip_once = None, None
 
     def memory(self) -> dict[str, int]:
         """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), and the GPU
@@ -376,6 +378,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._open()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self.layout.take_edits()  # weights loaded since the last step are the masters a checkpoint must hold
         sd = state_io.pack(self)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)

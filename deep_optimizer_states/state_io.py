@@ -25,7 +25,8 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def pack(opt: "DeepOptimizerStates") -> dict:
-    """Per-param views of the live host buffers (as torch's own state_dict: copy it to keep a snapshot)."""
+    """Per-param views of the live host buffers (as torch's own state_dict: copy it to keep a snapshot);
+    under FSDP2, DTensors over those views."""
     state, groups, index = {}, [], 0
     for group in opt.param_groups:
         ids = []
@@ -44,9 +45,13 @@ def pack(opt: "DeepOptimizerStates") -> dict:
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """A state tensor as the param is: sharded like it under FSDP2 (so torch.distributed.checkpoint saves and
-    reshards it), the host view itself otherwise."""
+    reshards it), the host view itself otherwise. The DTensor wraps the host view where it is, as FSDP2's
+    CPU offload does (``DTensor.from_local`` would copy it to the mesh's GPU: all the states at once)."""
     if isinstance(p, DTensor):
-        return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        spec = DTensorSpec(p.device_mesh, tuple(p.placements), TensorMeta(p.shape, p.stride(), t.dtype))
+        return DTensor(t, spec, requires_grad=False)
     return t
 
 

@@ -107,6 +107,8 @@ def save_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
     for step in range(before):
         train_step(model, opt, step, sharded=True)
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    host = [v.to_local() for e in opt.state_dict()["state"].values() for k, v in e.items() if k != "step"]
+    assert all(t.device.type == "cpu" for t in host), "sharded state wraps the host buffers, no device copy"
     dcp.save(state, checkpoint_id=ckpt)
     full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     params = full_params(model)

@@ -625,3 +625,42 @@ def test_torch_adamw_checkpoint_with_a_stateless_param_loads_and_continues_like_
             o.step()
     assert_same_params(params_of(model), params_of(model_t), exact=False, rtol=1e-6)
     assert opt.state[model[-1].bias]["step"].item() == ref.state[late]["step"].item() == 3
+
+
+def test_master_and_state_dict_see_an_edit_before_the_next_step():
+    """A checkpoint taken right after loading weights must hold the loaded weights as masters."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = DeepOptimizerStates(model, lr=1e-3, schedule="cpu")
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    assert torch.equal(opt.master(model.weight), torch.full((3, 4), 0.5))
+    assert torch.equal(opt.state_dict()["state"][0]["master_param"], torch.full((3, 4), 0.5))
+
+
+def test_a_clip_requested_before_zero_grad_does_not_clip_the_next_step():
+    torch.manual_seed(0)
+    model, ref_model = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref_model.load_state_dict(model.state_dict())
+    opt = DeepOptimizerStates(model, lr=1e-2, schedule="cpu")
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    opt.clip_grad_norm_(1e-3)
+    opt.zero_grad()
+    for m, o in ((model, opt), (ref_model, ref)):
+        m(x).pow(2).sum().backward()
+        o.step()
+    torch.testing.assert_close(model.weight, ref_model.weight, rtol=1e-6, atol=0)
+
+
+def test_a_param_made_non_contiguous_is_refused_by_name():
+    model = nn.Linear(4, 3)
+    opt = DeepOptimizerStates(model, lr=1e-3, schedule="cpu")
+    with torch.no_grad():
+        model.weight.data = model.weight.data.t().contiguous().t()
+    model.weight.grad = torch.ones(3, 4)
+    with pytest.raises(RuntimeError, match="weight.*no longer contiguous"):
+        opt.step()
