@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from bench.run_system import RESULT, _host_peak_gb, _is_oom, batch
-from deep_optimizer_states.models import PRESETS, llama
+from deep_optimizer_states.tools.models import PRESETS, llama
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 

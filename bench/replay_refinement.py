@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deep_optimizer_states.perfmodel import Rates, predict
-from deep_optimizer_states.plan import Plan, Planner
-from deep_optimizer_states.schedule import placements, spread
+from deep_optimizer_states.core.schedule import placements, spread
+from deep_optimizer_states.planning.perfmodel import Rates, predict
+from deep_optimizer_states.planning.plan import Plan, Planner
 
 SUBGROUP = 25_000_000
 

@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from bench.systems import OURS, SYSTEMS
-from deep_optimizer_states.models import PRESETS
+from deep_optimizer_states.tools.models import PRESETS
 
 RESULT = "RESULT "
 

@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from deep_optimizer_states import host_memory as hm
-from deep_optimizer_states.host_memory import GB, HostSpec
+from deep_optimizer_states.core import host_memory as hm
+from deep_optimizer_states.core.host_memory import GB, HostSpec
 
 FP32 = 4
 
@@ -170,7 +170,7 @@ def _optimizer_case(preset: str, out) -> None:
     """End to end: DeepOptimizerStates built on a bf16 model of ``preset`` on the device (host buffers
     allocated, pinned, masters copied in from the model), as a user waits for it."""
     from deep_optimizer_states import DeepOptimizerStates
-    from deep_optimizer_states.models import llama
+    from deep_optimizer_states.tools.models import llama
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = llama(preset, torch.bfloat16, device)

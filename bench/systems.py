@@ -1,6 +1,6 @@
 """The systems under comparison, each set up the way its documentation recommends.
 
-Every system trains the same Llama-style model (``deep_optimizer_states.models.llama``, seed 0) with AdamW
+Every system trains the same Llama-style model (``deep_optimizer_states.tools.models.llama``, seed 0) with AdamW
 (lr 1e-4, weight decay 0.01) in bf16 compute. A system is a ``Trainer``: forward (returns the loss),
 backward, step (including zero_grad), and ``extra()`` with what only it can tell (PCIe bytes, pinned host
 memory). Peers' packages (DeepSpeed, torchao) are imported only when their system is asked for.
@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates
-from deep_optimizer_states.layout import HOST_BYTES_PER_ELEMENT
-from deep_optimizer_states.models import llama
+from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
+from deep_optimizer_states.tools.models import llama
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
@@ -68,8 +68,8 @@ def ours(schedule: str) -> Callable[[str, torch.device, int], Trainer]:
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
             if device.type == "cuda":
-                from deep_optimizer_states.calibrate import calibrated_rates
-                from deep_optimizer_states.perfmodel import lower_bound
+                from deep_optimizer_states.planning.calibrate import calibrated_rates
+                from deep_optimizer_states.planning.perfmodel import lower_bound
 
                 info["update_lower_bound_s"] = lower_bound(opt.layout.numel, calibrated_rates(device))[0]
             return info

@@ -3,7 +3,7 @@
 import json
 import sys
 
-from deep_optimizer_states.benchmark import table
+from deep_optimizer_states.tools.benchmark import table
 
 
 def table_without_model(rows: list[dict]) -> str:

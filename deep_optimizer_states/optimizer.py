@@ -9,14 +9,14 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import state_io
-from .adam import AdamHyper, check_group
-from .engine import Engine, Job, UpdateStats
-from .grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
-from .layout import Layout, local
-from .plan import Plan, Planner
-from .ranks import cpu_threads_per_rank, local_ranks, shard_group
-from .schedule import Placement, Schedule
+from .core import state_io
+from .core.adam import AdamHyper, check_group
+from .core.engine import Engine, Job, UpdateStats
+from .core.grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
+from .core.layout import Layout, local
+from .core.ranks import cpu_threads_per_rank, local_ranks, shard_group
+from .core.schedule import Placement, Schedule
+from .planning.plan import Plan, Planner
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NONFINITE_POLICIES = ("skip", "raise")

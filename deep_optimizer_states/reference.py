@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .grad_scaling import total_norm
-from .layout import local
+from .core.grad_scaling import total_norm
+from .core.layout import local
 from .optimizer import DeepOptimizerStates
-
 
 _NOT_COPIED = ("params", "initial_lr", "param_names", "fused", "foreach")  # the reference always runs fused
 

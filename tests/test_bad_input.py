@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
-from deep_optimizer_states.schedule import Placement, placements
+from deep_optimizer_states.core.schedule import Placement, placements
 from tests.harness import loss_of, mlp
 
 

@@ -21,8 +21,14 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
-from deep_optimizer_states.checkpoint import (CheckpointError, latest_checkpoint, list_checkpoints,
-                                              load_checkpoint, read_manifest, save_checkpoint)
+from deep_optimizer_states.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_manifest,
+    save_checkpoint,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ["dos", "adamw"]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deep_optimizer_states.cli import main
+from deep_optimizer_states.tools.cli import main
 
 
 @pytest.fixture(autouse=True)

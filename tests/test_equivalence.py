@@ -173,7 +173,7 @@ def test_module_and_iterable_forms_are_the_same_optimizer():
 
 def test_an_error_inside_the_update_propagates_and_the_next_step_works(monkeypatch):
     """A failing kernel (here: the third CPU AdamW call) surfaces as the step's exception; nothing hangs."""
-    import deep_optimizer_states.engine as engine
+    import deep_optimizer_states.core.engine as engine
 
     model = mlp()
     opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)

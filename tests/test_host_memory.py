@@ -6,8 +6,8 @@ import threading
 import pytest
 import torch
 
-from deep_optimizer_states import host_memory as hm
-from deep_optimizer_states.host_memory import HostSpec
+from deep_optimizer_states.core import host_memory as hm
+from deep_optimizer_states.core.host_memory import HostSpec
 
 PAGE = hm.PAGE_BYTES
 ODD_SIZES = [0, 1, 2, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE - 1, 17 * PAGE + 5, 1000 * PAGE + 3]

@@ -9,12 +9,19 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
-from deep_optimizer_states import calibrate
-from deep_optimizer_states.perfmodel import (Rates, best_stride, choose, lower_bound, predict, stride_formula,
-                                             stride_places)
-from deep_optimizer_states.plan import Planner
-from deep_optimizer_states.refine import solve
-from deep_optimizer_states.schedule import placements, spread
+from deep_optimizer_states.core.schedule import placements, spread
+from deep_optimizer_states.planning import calibrate
+from deep_optimizer_states.planning.perfmodel import (
+    Rates,
+    best_stride,
+    choose,
+    lower_bound,
+    predict,
+    stride_formula,
+    stride_places,
+)
+from deep_optimizer_states.planning.plan import Planner
+from deep_optimizer_states.planning.refine import solve
 from tests.harness import mlp
 
 H200_LIKE = Rates(cpu_adam=4.2e9, cpu_engine=3.8e9, cpu_contended=2.8e9, gpu_adam=120e9, h2d=55e9, d2h=55e9,
@@ -307,7 +314,7 @@ def test_solve_finds_the_factor_or_says_there_is_none():
 
 
 def _record(schedule, sizes, truth, timed=True):
-    from deep_optimizer_states.benchmark import Record
+    from deep_optimizer_states.tools.benchmark import Record
 
     places = placements(schedule, len(sizes))
     real = predict(sizes, places, truth, 2)
@@ -315,7 +322,7 @@ def _record(schedule, sizes, truth, timed=True):
 
 
 def test_each_schedule_is_predicted_from_the_other_schedules_updates_only():
-    from deep_optimizer_states.benchmark import refined_without
+    from deep_optimizer_states.tools.benchmark import refined_without
 
     sizes = equal(16)
     truth = replace(H200_LIKE, cpu_contended=0.8 * H200_LIKE.cpu_contended)

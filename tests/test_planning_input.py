@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from deep_optimizer_states import benchmark, calibrate, cli
-from deep_optimizer_states.cli import main
-from deep_optimizer_states.perfmodel import choose, predict
-from deep_optimizer_states.plan import Planner
-from deep_optimizer_states.schedule import Placement, placements, spread
+from deep_optimizer_states.core.schedule import Placement, placements, spread
+from deep_optimizer_states.planning import calibrate
+from deep_optimizer_states.planning.perfmodel import choose, predict
+from deep_optimizer_states.planning.plan import Planner
+from deep_optimizer_states.tools import benchmark, cli
+from deep_optimizer_states.tools.cli import main
 from tests.test_perfmodel import H200_LIKE, NO_CONTENTION
 
 REPO = Path(__file__).resolve().parent.parent
@@ -195,7 +196,7 @@ def gpu_planner(monkeypatch, tmp_path):
 
 def test_auto_plans_provisionally_and_calibrates_at_the_first_refresh(gpu_planner, caplog, tmp_path):
     planner, measured, _ = gpu_planner
-    caplog.set_level(logging.INFO, logger="deep_optimizer_states.plan")
+    caplog.set_level(logging.INFO, logger="deep_optimizer_states.planning.plan")
     first = planner.plan("auto")
     assert measured == [] and first.prediction is None and first.placements == placements("auto", 16)
     assert planner.pending

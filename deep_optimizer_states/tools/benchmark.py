@@ -16,16 +16,16 @@ from typing import Sequence
 
 import torch
 
-from .adam import AdamHyper, adam_update
-from .calibrate import calibrated_rates
-from .engine import UpdateStats
-from .layout import HOST_BYTES_PER_ELEMENT
-from .host_memory import available_host_bytes
+from ..core.adam import AdamHyper, adam_update
+from ..core.engine import UpdateStats
+from ..core.host_memory import available_host_bytes
+from ..core.layout import HOST_BYTES_PER_ELEMENT
+from ..core.schedule import Placement, Schedule
+from ..optimizer import DeepOptimizerStates
+from ..planning.calibrate import calibrated_rates
+from ..planning.perfmodel import Rates, lower_bound, predict
+from ..planning.refine import Refiner
 from .models import PRESETS, llama
-from .optimizer import DeepOptimizerStates
-from .perfmodel import Rates, lower_bound, predict
-from .refine import Refiner
-from .schedule import Placement, Schedule
 
 
 def _sync(device: torch.device) -> None:

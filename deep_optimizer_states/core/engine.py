@@ -30,10 +30,11 @@ import torch
 from .adam import AdamHyper, adam_update
 from .lanes import Lane, current_point
 from .layout import Subgroup
-from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES
 from .schedule import Placement
 
 FP32 = torch.float32
+STAGED_BYTES = 12  # PCIe bytes per element, each direction: fp32 master, exp_avg, exp_avg_sq
+CPU_PATH_BYTES = 4  # PCIe bytes per element, each direction: fp32 grad down, fp32 master up
 GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
 
 

@@ -18,7 +18,7 @@ from .adam import check_group
 from .layout import DTensor, local
 
 if TYPE_CHECKING:
-    from .optimizer import DeepOptimizerStates
+    from ..optimizer import DeepOptimizerStates
 
 FORMAT_VERSION = 2
 _MOMENTS = ("exp_avg", "exp_avg_sq")

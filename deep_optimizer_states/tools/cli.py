@@ -18,7 +18,7 @@ GPU_BYTES_PER_PARAM = 4  # the model's bf16 params and grads stay on the GPU
 
 def _schedule(text: str) -> str | int:
     """auto | cpu | gpu | k (an int >= 1)."""
-    from .schedule import validate_schedule
+    from ..core.schedule import validate_schedule
 
     try:
         return validate_schedule(int(text) if text.lstrip("-").isdigit() else text)
@@ -108,9 +108,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _train_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
+    from ..optimizer import DeepOptimizerStates
+    from ..reference import ReferenceAdamW
     from .models import llama
-    from .optimizer import DeepOptimizerStates
-    from .reference import ReferenceAdamW
 
     model = llama(args.model, torch.bfloat16, device)
     numel = sum(p.numel() for p in model.parameters())
@@ -184,7 +184,7 @@ def _device() -> torch.device:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from .calibrate import cache_path, calibrated_rates, describe, load_cached
+    from ..planning.calibrate import cache_path, calibrated_rates, describe, load_cached
 
     device = _device()
     fresh = args.force or load_cached(device) is None
@@ -203,8 +203,8 @@ PLAN_SIZES = (6_250_000, 12_500_000, 25_000_000, 50_000_000, 100_000_000)
 
 def _budgets(params: int, device: torch.device, gpu_memory_gb: float | None) -> tuple[dict, list[str]]:
     """The host and GPU memory the plan is made for, and why the model does not fit them (empty if it does)."""
-    from .host_memory import available_host_bytes
-    from .layout import HOST_BYTES_PER_ELEMENT
+    from ..core.host_memory import available_host_bytes
+    from ..core.layout import HOST_BYTES_PER_ELEMENT
 
     host = available_host_bytes()
     if gpu_memory_gb is not None:
@@ -233,10 +233,10 @@ def _budgets(params: int, device: torch.device, gpu_memory_gb: float | None) -> 
 def _plan(args: argparse.Namespace) -> int:
     """Print the schedule the model chooses for a model of ``--params`` parameters, and the bound; without a
     GPU, the CPU path's time. Exit status 1 when the model does not fit this machine's memory."""
-    from .calibrate import calibrated_rates
-    from .perfmodel import choose, lower_bound, predict
-    from .plan import SCRATCH_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
-    from .schedule import placements
+    from ..core.schedule import placements
+    from ..planning.calibrate import calibrated_rates
+    from ..planning.perfmodel import choose, lower_bound, predict
+    from ..planning.plan import SCRATCH_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
 
     device = _device()
     cuda = device.type == "cuda"

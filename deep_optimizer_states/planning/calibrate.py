@@ -19,14 +19,14 @@ from typing import Callable
 
 import torch
 
-from .adam import AdamHyper, adam_update
-from .engine import Engine, Job
-from .host_memory import host_empty
-from .lanes import Lane
-from .layout import Layout
+from ..core.adam import AdamHyper, adam_update
+from ..core.engine import Engine, Job
+from ..core.host_memory import host_empty
+from ..core.lanes import Lane
+from ..core.layout import Layout
+from ..core.ranks import local_ranks
+from ..core.schedule import Placement, placements, spread
 from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
-from .ranks import local_ranks
-from .schedule import Placement, placements, spread
 
 CACHE_VERSION = 4
 MIN_PER_SUBGROUP_S = 1e-6

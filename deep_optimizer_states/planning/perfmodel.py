@@ -26,10 +26,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from .schedule import Placement, spread
-
-STAGED_BYTES = 12  # per element, each direction: fp32 master, exp_avg, exp_avg_sq
-CPU_PATH_BYTES = 4  # per element, each direction: fp32 grad down, fp32 master up
+from ..core.engine import CPU_PATH_BYTES, STAGED_BYTES
+from ..core.schedule import Placement, spread
 
 
 @dataclass(frozen=True)

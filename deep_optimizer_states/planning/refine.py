@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from ..core.schedule import Placement
 from .perfmodel import Prediction, Rates, fills, predict
-from .schedule import Placement
 
 if TYPE_CHECKING:
-    from .engine import UpdateStats
+    from ..core.engine import UpdateStats
 
 REFINE_WINDOW = 9  # recent updates whose median factor refines a rate
 FACTOR_RANGE = (0.25, 4.0)  # a lesson outside this is a hiccup, not the machine

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.schedule import Placement, Schedule, placements, validate_schedule
 from .perfmodel import Prediction, Rates, choose, predict
 from .refine import Refiner
-from .schedule import Placement, Schedule, placements, validate_schedule
 
 if TYPE_CHECKING:
-    from .engine import UpdateStats
+    from ..core.engine import UpdateStats
 
 log = logging.getLogger(__name__)
 SLOT_BYTES_PER_ELEMENT = 16  # fp32 param, grad, exp_avg, exp_avg_sq

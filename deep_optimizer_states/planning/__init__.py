@@ -1,0 +1,1 @@
+"""Planning: the performance model, calibration, refinement from telemetry, and the current plan."""
