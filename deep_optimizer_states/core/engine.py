@@ -71,6 +71,7 @@ class UpdateStats:
     lane_seconds: dict[str, float]  # busy time of each lane: grads_down, params_up, stage_in, gpu, stage_out
     staged_window_s: float  # from the first staged subgroup's way in to the last one's way back
     device_bytes: int = 0  # GPU memory the update allocated: staging slots and the CPU path's scratch
+    timeline: list[dict] | None = None  # with Engine.trace: every block of work, {lane, start, end, label}
 
 
 class _Slot:
@@ -112,7 +113,7 @@ class _GradFeed:
     def _send(self) -> None:
         if len(self.events) < len(self.jobs):
             sg = self.jobs[len(self.events)].subgroup
-            with self.lane.run():
+            with self.lane.run(f"sg{sg.index}"):
                 _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers)
             self.events.append(self.lane.record())
 
@@ -133,6 +134,8 @@ class Engine:
                                            initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
         self._warned_fallback = False
+        self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
+        self._cpu_spans: list[tuple[float, float, str]] = []
 
     def close(self) -> None:
         """Stop the CPU worker thread (the optimizer is being closed)."""
@@ -144,8 +147,13 @@ class Engine:
         """Apply one optimizer step to every job; returns once params and host states are all updated."""
         if any(j.placement is Placement.RESIDENT for j in jobs):
             raise NotImplementedError("resident subgroups are not run by the engine yet: use 'cpu' or 'staged'")
+        if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
+            torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        self._cpu_adam_seconds = 0.0
+        origin = start
+        if self.trace and self.device.type == "cuda":
+            origin = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
+        self._cpu_adam_seconds, self._cpu_spans = 0.0, []
         ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
         for lane in self.lanes.values():
             lane.wait(ready)
@@ -163,11 +171,18 @@ class Engine:
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
         window = Lane.window_seconds(self.stage_in, self.stage_out)
+        timeline = self._timeline(origin, start) if self.trace else None
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
         stats.device_bytes = sum(4 * t.numel() for t in (down, up) if t is not None) + sum(
             16 * slot.p.numel() for slot in slots)
+        stats.timeline = timeline
         return stats
+
+    def _timeline(self, origin, start: float) -> list[dict]:
+        blocks = [(name, *span) for name, lane in self.lanes.items() for span in lane.timeline(origin)]
+        blocks += [("cpu_adam", a - start, b - start, label) for a, b, label in self._cpu_spans]
+        return [{"lane": lane, "start": a, "end": b, "label": label} for lane, a, b, label in blocks]
 
     def _buffers(self, jobs: list[Job], count: int):
         """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""
@@ -200,8 +215,10 @@ class Engine:
         feed.landed(index).synchronize()
         t0 = time.perf_counter()
         job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
-        self._cpu_adam_seconds += time.perf_counter() - t0
-        with self.params_up.run():
+        t1 = time.perf_counter()
+        self._cpu_adam_seconds += t1 - t0
+        self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
+        with self.params_up.run(f"sg{sg.index}"):
             _params_from(sg.master, sg, scratch)
 
     def _update_staged(self, job: Job, slot: _Slot, multipliers) -> None:
@@ -209,16 +226,16 @@ class Engine:
         n = sg.numel
         p, g, m, v = slot.p[:n], slot.g[:n], slot.m[:n], slot.v[:n]
         self.stage_in.wait(slot.free)
-        with self.stage_in.run():
+        with self.stage_in.run(f"sg{sg.index}"):
             for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                 dst.copy_(src, non_blocking=True)
         self.gpu.wait(self.stage_in.record())
-        with self.gpu.run():
+        with self.gpu.run(f"sg{sg.index}"):
             _grads_fp32(g, sg, None, multipliers)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
         self.stage_out.wait(self.gpu.record())
-        with self.stage_out.run():
+        with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):
                 dst.copy_(src, non_blocking=True)
         slot.free = self.stage_out.record()

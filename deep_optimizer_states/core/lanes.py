@@ -28,17 +28,17 @@ class Lane:
         self._spans: list = []
 
     @contextlib.contextmanager
-    def run(self) -> Iterator[None]:
+    def run(self, label: str = "") -> Iterator[None]:
         """Enqueue the enclosed work on this lane, timing it (waits belong before, outside the block)."""
         if self.stream is None:
             t0 = time.perf_counter()
             yield
-            self._spans.append((t0, time.perf_counter()))
+            self._spans.append((t0, time.perf_counter(), label))
             return
         with torch.cuda.stream(self.stream):
             begin = self.record(timing=True)
             yield
-            self._spans.append((begin, self.record(timing=True)))
+            self._spans.append((begin, self.record(timing=True), label))
 
     def _elapsed(self, begin, end) -> float:
         return end - begin if self.stream is None else begin.elapsed_time(end) / 1e3
@@ -46,7 +46,12 @@ class Lane:
     def busy_seconds(self) -> float:
         """Time this lane's work took since the last call (after the work has completed); resets."""
         spans, self._spans = self._spans, []
-        return sum(self._elapsed(b, e) for b, e in spans)
+        return sum(self._elapsed(b, e) for b, e, _ in spans)
+
+    def timeline(self, origin) -> list[tuple[float, float, str]]:
+        """(start, end, label) of each block since the last ``busy_seconds``, in seconds after ``origin``
+        (a ``time.perf_counter()`` value on the CPU, a timing event on the GPU); after the work completed."""
+        return [(self._elapsed(origin, b), self._elapsed(origin, e), label) for b, e, label in self._spans]
 
     @staticmethod
     def window_seconds(first: "Lane", last: "Lane") -> float:

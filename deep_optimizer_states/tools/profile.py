@@ -1,0 +1,147 @@
+"""`dos profile`: a few training iterations, then a timeline of the last one.
+
+The picture (PNG) has one row per phase and per lane of the update: the GPU streams (grads down, params up,
+stage in, GPU AdamW, stage out) and the CPU worker's AdamW, each subgroup a bar, with the GPU memory
+allocated over the iteration beneath (on a GPU). The same timeline is written as a Chrome trace (JSON) that
+opens in Perfetto or chrome://tracing for zooming. This is where the interleaving shows at a glance.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ..optimizer import DeepOptimizerStates
+from .models import llama
+
+LANES = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "cpu_adam")
+COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "grads_down": "#8172b3",
+          "params_up": "#937860", "stage_in": "#da8bc3", "gpu": "#c44e52", "stage_out": "#8c8c8c",
+          "cpu_adam": "#ccb974"}
+
+
+class _Clock:
+    """Seconds since the iteration began, with the device synchronised first (phases end on the GPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.sync()
+        self.t0 = time.perf_counter()
+        self.memory: list[tuple[float, float]] = []  # (seconds, GB allocated)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def sample(self) -> None:
+        if self.device.type == "cuda":
+            self.memory.append((self.now(), torch.cuda.memory_allocated(self.device) / 1e9))
+
+
+def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
+    """On a GPU, sample its memory after each leaf module's forward, and when backward reaches that module's
+    output (the activations' swing)."""
+    if clock.device.type != "cuda":
+        return []
+
+    def after_forward(module, args, output) -> None:
+        clock.sample()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: clock.sample())
+
+    return [m.register_forward_hook(after_forward) for m in model.modules() if not list(m.children())]
+
+
+def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_batch: int = 2, seq: int = 128,
+            device: str | None = None, out: str | Path = "profile") -> dict:
+    """Train ``iterations`` iterations of the ``preset`` Llama on random tokens and write the last one's
+    timeline to ``out``/timeline.png and ``out``/trace.json; returns the phases and paths."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = llama(preset, torch.bfloat16, dev)
+    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, schedule=schedule,
+                              subgroup_size=max(64, sum(p.numel() for p in model.parameters()) // 16))
+    ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(dev)
+    for i in range(iterations):
+        last = i == iterations - 1
+        opt.engine.trace = last
+        clock = _Clock(dev)
+        handles = _memory_hooks(model, clock) if last else []
+        clock.sample()
+        loss = model(input_ids=ids, labels=ids).loss
+        clock.sync()
+        t_fwd = clock.now()
+        loss.backward()
+        clock.sync()
+        t_bwd = clock.now()
+        opt.step()
+        clock.sync()
+        t_upd = clock.now()
+        clock.sample()
+        opt.zero_grad()
+        for h in handles:
+            h.remove()
+    phases = [("forward", 0.0, t_fwd), ("backward", t_fwd, t_bwd), ("update", t_bwd, t_upd)]
+    blocks = [{**b, "start": b["start"] + t_bwd, "end": b["end"] + t_bwd} for b in opt.last_update.timeline]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace = _chrome_trace(phases, blocks, clock.memory)
+    (out / "trace.json").write_text(json.dumps(trace))
+    title = (f"{preset} on {dev}, schedule {schedule!r}: {opt.last_update.staged_subgroups} staged, "
+             f"{opt.last_update.cpu_subgroups} on the CPU; iteration {t_upd * 1e3:.1f} ms")
+    _figure(phases, blocks, clock.memory, title, out / "timeline.png")
+    opt.close()
+    return {"phases": {name: round(b - a, 6) for name, a, b in phases}, "png": str(out / "timeline.png"),
+            "trace": str(out / "trace.json"), "blocks": len(blocks)}
+
+
+def _chrome_trace(phases, blocks, memory) -> dict:
+    """Chrome trace format: complete events (ph X) in microseconds, one thread per row, memory as a counter."""
+    rows = ["phases", *LANES]
+    events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": r}} for i, r in enumerate(rows)]
+    events += [{"name": name, "ph": "X", "pid": 1, "tid": 0, "ts": a * 1e6, "dur": (b - a) * 1e6}
+               for name, a, b in phases]
+    events += [{"name": b["label"], "ph": "X", "pid": 1, "tid": rows.index(b["lane"]), "ts": b["start"] * 1e6,
+                "dur": (b["end"] - b["start"]) * 1e6, "cat": b["lane"]} for b in blocks]
+    events += [{"name": "GPU memory allocated", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"GB": gb}}
+               for t, gb in memory]
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _figure(phases, blocks, memory, title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = ["phases", *LANES]
+    fig, (ax, mem) = plt.subplots(2, 1, figsize=(12, 5.5), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    for name, a, b in phases:
+        ax.broken_barh([(a * 1e3, (b - a) * 1e3)], (0.1, 0.8), color=COLORS[name])
+        ax.text((a + b) / 2 * 1e3, 0.5, name, ha="center", va="center", fontsize=8, color="white")
+    for b in blocks:
+        y = rows.index(b["lane"])
+        ax.broken_barh([(b["start"] * 1e3, max(b["end"] - b["start"], 1e-7) * 1e3)], (y + 0.15, 0.7),
+                       color=COLORS[b["lane"]], edgecolor="white", linewidth=0.3)
+    ax.set_yticks([i + 0.5 for i in range(len(rows))], rows)
+    ax.set_ylim(len(rows), 0)
+    ax.set_title(title, fontsize=9)
+    for _, _, b in phases[:-1]:
+        for axis in (ax, mem):
+            axis.axvline(b * 1e3, color="black", linewidth=0.6, linestyle="--")
+    if memory:
+        mem.plot([t * 1e3 for t, _ in memory], [gb for _, gb in memory], color="black", linewidth=1)
+        mem.set_ylabel("GPU GB")
+    else:
+        mem.text(0.5, 0.5, "no GPU: memory not sampled", ha="center", va="center", transform=mem.transAxes)
+        mem.set_yticks([])
+    mem.set_xlabel("ms since the iteration began")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

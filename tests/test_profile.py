@@ -1,0 +1,24 @@
+"""`dos profile`: the timeline of one iteration, as a picture and as a Chrome trace (CPU lanes here)."""
+
+import json
+
+from deep_optimizer_states.tools.profile import LANES, profile
+
+
+def test_profile_writes_a_figure_and_a_trace_with_every_subgroup(tmp_path):
+    result = profile("tiny", iterations=2, schedule=2, seq=32, out=tmp_path)
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    phases = [e for e in events if e["ph"] == "X" and e["tid"] == 0]
+    assert [e["name"] for e in phases] == ["forward", "backward", "update"]
+    update = phases[-1]
+    blocks = [e for e in events if e["ph"] == "X" and e["tid"] > 0]
+    assert len(blocks) == result["blocks"] > 0
+    lanes = {LANES[e["tid"] - 1] for e in blocks}
+    assert {"cpu_adam", "gpu", "stage_in", "stage_out", "grads_down", "params_up"} == lanes  # schedule 2: both paths
+    cpu_subgroups = {e["name"] for e in blocks if e["cat"] == "cpu_adam"}
+    staged_subgroups = {e["name"] for e in blocks if e["cat"] == "gpu"}
+    assert cpu_subgroups and staged_subgroups and not cpu_subgroups & staged_subgroups
+    for e in blocks:  # every block lies inside the update phase (same clock)
+        assert update["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= update["ts"] + update["dur"] + 1
