@@ -1,0 +1,239 @@
+"""The Hugging Face Trainer integration (deep_optimizer_states.integrations.hf) on the CPU: DOSTrainer and
+Trainer(optimizer_cls_and_kwargs=...) train like the Trainer with torch's fused AdamW over the same param
+groups (weight decay on weights, none on biases and norms), with gradient accumulation and the Trainer's own
+clipping; a checkpoint resumes bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from deep_optimizer_states import DeepOptimizerStates  # noqa: E402
+from deep_optimizer_states.integrations.hf import (  # noqa: E402
+    DOSTrainer, optimizer_cls_and_kwargs, optimizer_kwargs)
+
+LR = 1e-3
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.95)
+EPS = 1e-7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread. Afterwards the Accelerate singletons the Trainers configured are reset
+    for the modules that follow."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                                   tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg).to(dtype=dtype)
+
+
+class TokenData(torch.utils.data.Dataset):
+    def __init__(self, n: int = 24, seq: int = 16, seed: int = 11) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 128, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_params(a: dict, b: dict, exact: bool = False, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        if exact:
+            assert torch.equal(a[n], b[n]), f"{n}: max diff {(a[n] - b[n]).abs().max().item():.3e}"
+        else:
+            torch.testing.assert_close(a[n], b[n], rtol=rtol, atol=rtol * 1e-2, msg=lambda m: f"{n}: {m}")
+
+
+def training_args(out_dir, max_steps: int = 6, **extra) -> "transformers.TrainingArguments":
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    if "save_safetensors" in fields:  # transformers >= 5 always saves safetensors and dropped the argument
+        extra["save_safetensors"] = True
+    kwargs = dict(
+        output_dir=str(out_dir), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_grad_norm=0.5,
+        max_steps=max_steps, save_steps=3, logging_steps=1, report_to=[], use_cpu=True, seed=42,
+        lr_scheduler_type="linear", learning_rate=LR, weight_decay=WEIGHT_DECAY, adam_beta1=BETAS[0],
+        adam_beta2=BETAS[1], adam_epsilon=EPS, disable_tqdm=True)
+    return transformers.TrainingArguments(**{**kwargs, **extra})
+
+
+@dataclasses.dataclass
+class Run:
+    final: dict
+    initial: dict
+    losses: list
+    grad_norms: list
+    trainer: "transformers.Trainer"
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer the Trainer stepped, out of Accelerate's AcceleratedOptimizer."""
+        opt = self.trainer.optimizer
+        while hasattr(opt, "optimizer") and not isinstance(opt, DeepOptimizerStates):
+            opt = opt.optimizer
+        return opt
+
+
+def train(out_dir, how: str, resume=None, model_seed: int = 0, max_steps: int = 6, **extra) -> Run:
+    _reset_accelerate()
+    args = training_args(out_dir, max_steps=max_steps, **extra)
+    model = tiny_llama(seed=model_seed)
+    initial = params_of(model)
+    common = dict(model=model, args=args, train_dataset=TokenData())
+    if how == "torch":  # the stock Trainer's grouping, torch's fused AdamW
+        trainer = transformers.Trainer(**common, optimizer_cls_and_kwargs=(torch.optim.AdamW, dict(
+            lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+            weight_decay=args.weight_decay, fused=True)))
+    elif how == "dos_trainer":
+        trainer = DOSTrainer(**common, dos_kwargs={"schedule": 2, "subgroup_size": 20_000})
+    elif how == "cls_and_kwargs":
+        trainer = transformers.Trainer(**common, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(
+            args, schedule="cpu", subgroup_size=20_000))
+    else:
+        raise ValueError(how)
+    trainer.train(resume_from_checkpoint=resume)
+    history = trainer.state.log_history
+    return Run(params_of(model), initial, [h["loss"] for h in history if "loss" in h],
+               [h["grad_norm"] for h in history if "grad_norm" in h], trainer)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return root, {how: train(root / how, how) for how in ("torch", "dos_trainer", "cls_and_kwargs")}
+
+
+def _groups_by_name(opt: torch.optim.Optimizer, model: nn.Module) -> list[tuple[set, dict]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [({names[id(p)] for p in g["params"]}, {k: g[k] for k in ("lr", "betas", "eps", "weight_decay")})
+            for g in opt.param_groups]
+
+
+# ---- 1. DOSTrainer ----------------------------------------------------------------------------------------------
+def test_dos_trainer_matches_trainer_with_torch_fused_adamw(runs):
+    _, r = runs
+    ours, ref = r["dos_trainer"], r["torch"]
+    assert len(ours.losses) == 6 and all(map(lambda x: x == x and abs(x) != float("inf"), ours.losses))
+    assert max(ref.grad_norms) > 0.5, "the Trainer's clipping must have been active for this comparison"
+    assert not torch.equal(ours.final["lm_head.weight"], ours.initial["lm_head.weight"])
+    assert_same_params(ours.final, ref.final, rtol=1e-5)
+    assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert ours.grad_norms == pytest.approx(ref.grad_norms, rel=1e-5)
+    # the same param groups as the base Trainer: weights decay, biases and norms do not; hyper-parameters
+    # from the TrainingArguments (lr: the linear schedule's last value, as torch's)
+    groups = _groups_by_name(ours.optimizer, ours.trainer.model)
+    ref_groups = _groups_by_name(ref.optimizer, ref.trainer.model)
+    assert groups == ref_groups
+    assert [g["weight_decay"] for _, g in groups] == [WEIGHT_DECAY, 0.0]
+    assert groups[0][1]["betas"] == BETAS and groups[0][1]["eps"] == EPS
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= groups[1][0]
+    assert "lm_head.weight" in groups[0][0]
+
+
+# ---- 2. Trainer(optimizer_cls_and_kwargs=...) -------------------------------------------------------------------
+def test_optimizer_cls_and_kwargs_trains_like_torch_fused_adamw(runs):
+    _, r = runs
+    ours, ref = r["cls_and_kwargs"], r["torch"]
+    assert_same_params(ours.final, ref.final, rtol=1e-5)
+    assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert _groups_by_name(ours.optimizer, ours.trainer.model) == _groups_by_name(ref.optimizer, ref.trainer.model)
+
+
+def test_optimizer_cls_and_kwargs_takes_the_training_arguments(tmp_path):
+    args = training_args(tmp_path)
+    cls, kwargs = optimizer_cls_and_kwargs(args, schedule="cpu")
+    assert cls is DeepOptimizerStates
+    assert kwargs == {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WEIGHT_DECAY, "schedule": "cpu"}
+    assert "max_grad_norm" not in kwargs  # the Trainer clips
+    with pytest.raises(ValueError, match="clip twice"):
+        optimizer_cls_and_kwargs(args, max_grad_norm=1.0)
+    unclipped = training_args(tmp_path, max_grad_norm=0.0)
+    assert optimizer_kwargs(unclipped, max_grad_norm=1.0)["max_grad_norm"] == 1.0
+    with pytest.raises(ValueError, match="clip twice"):
+        DOSTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(), dos_kwargs={"max_grad_norm": 1.0})
+    with pytest.raises(ValueError, match="dos_kwargs"):
+        DOSTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(),
+                   optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(args))
+
+
+# ---- 3. checkpoint and resume -----------------------------------------------------------------------------------
+def test_dos_trainer_resume_from_checkpoint_is_bit_identical(runs):
+    root, r = runs
+    full = r["dos_trainer"]
+    ckpt = root / "dos_trainer" / "checkpoint-3"
+    assert (ckpt / "optimizer.pt").is_file() and (ckpt / "model.safetensors").is_file()
+    resumed = train(root / "resumed", "dos_trainer", resume=str(ckpt), model_seed=7)  # another init: from ckpt
+    opt = resumed.optimizer
+    assert isinstance(opt, DeepOptimizerStates)
+    assert opt.state[next(iter(opt.state))]["step"].item() == 6
+    assert_same_params(resumed.final, full.final, exact=True)
+    assert resumed.losses[3:] == full.losses[3:]  # the log history up to step 3 comes from the checkpoint
+    for s, s2 in zip(full.optimizer.state.values(), opt.state.values()):
+        for key in ("step", "exp_avg", "exp_avg_sq", "master"):
+            assert torch.equal(s[key], s2[key]), key
+
+
+# ---- 4. the optimizer the Trainer used --------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["dos_trainer", "cls_and_kwargs"])
+def test_the_trainer_stepped_a_deep_optimizer_states(runs, how):
+    accelerate = pytest.importorskip("accelerate")
+    run = runs[1][how]
+    assert isinstance(run.trainer.optimizer, accelerate.optimizer.AcceleratedOptimizer)
+    opt = run.trainer.optimizer.optimizer
+    assert isinstance(opt, DeepOptimizerStates)
+    assert opt.schedule == (2 if how == "dos_trainer" else "cpu")
+    assert len(opt.layout.subgroups) > 1  # subgroup_size reached the constructor
+    assert opt.skipped_steps == 0
+    assert all(s["step"].item() == 6 for s in opt.state.values())
+    assert len(opt.state) == len(list(run.trainer.model.parameters()))
+    # the Trainer's scheduler drove our param groups' lr (linear: 0 after the last of the 6 steps)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0)
+
+
+# ---- bf16 autocast over fp32 params; fp16 params refused ----------------------------------------------------------
+def test_dos_trainer_with_bf16_autocast_matches_torch(tmp_path):
+    ref = train(tmp_path / "torch", "torch", max_steps=2, bf16=True)
+    ours = train(tmp_path / "ours", "dos_trainer", max_steps=2, bf16=True)
+    assert_same_params(ours.final, ref.final, rtol=1e-5)
+    assert not torch.equal(ours.final["lm_head.weight"], ours.initial["lm_head.weight"])
+
+
+# ---- fp16 params: refused with a clear error ----------------------------------------------------------------------
+def test_fp16_params_under_the_trainer_raise_a_clear_error(tmp_path):
+    _reset_accelerate()
+    model = tiny_llama(dtype=torch.float16)
+    trainer = DOSTrainer(model=model, args=training_args(tmp_path, max_steps=1), train_dataset=TokenData(),
+                         dos_kwargs={"schedule": "cpu"})
+    with pytest.raises(RuntimeError, match="scale_loss"):
+        trainer.train()
