@@ -14,7 +14,7 @@ install:
 	PY=$(PY) bash scripts/install.sh
 	touch $(STAMP)
 
-# The main job: train the tiny Llama on its defaults (GPU when present), checked against torch.optim.AdamW.
+# The main job: dos train on its defaults (the stdlib's source as bytes; GPU when present).
 run: $(STAMP)
 	$(PYTHON) -m deep_optimizer_states train
 

@@ -12,8 +12,8 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
 
 
-def test_train_runs_checked_against_torch(capsys):
-    assert main(["train", "--steps", "3"]) == 0
+def test_check_runs_checked_against_torch(capsys):
+    assert main(["check", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     assert "step   3" in out and "matches torch.optim.AdamW on fp32 masters" in out
 

@@ -64,7 +64,7 @@ def test_single_process_state_dict_from_sharded_ranks(tmp_path):
         assert float(entry["step"]) == 3 and bool((entry["exp_avg_sq"] >= 0).all())
 
 
-def test_dos_train_under_torchrun_shards_with_fsdp2_and_matches_adamw():
-    out = torchrun(2, "train", "--steps", "3", "--schedule", "2", target=["-m", "deep_optimizer_states"])
+def test_dos_check_under_torchrun_shards_with_fsdp2_and_matches_adamw():
+    out = torchrun(2, "check", "--steps", "3", "--schedule", "2", target=["-m", "deep_optimizer_states"])
     assert "FSDP2 over 2 ranks" in out
     assert "matches torch.optim.AdamW" in out and out.count("step ") == 3  # rank 0 alone prints

@@ -22,3 +22,12 @@ def test_profile_writes_a_figure_and_a_trace_with_every_subgroup(tmp_path):
     assert cpu_subgroups and staged_subgroups and not cpu_subgroups & staged_subgroups
     for e in blocks:  # every block lies inside the update phase (same clock)
         assert update["ts"] - 1 <= e["ts"] and e["ts"] + e["dur"] <= update["ts"] + update["dur"] + 1
+
+
+def test_dos_profile_from_the_command_line(tmp_path, capsys):
+    from deep_optimizer_states.tools.cli import main
+
+    assert main(["profile", "--iterations", "2", "--seq", "32", "--schedule", "2", "--out", str(tmp_path)]) == 0
+    assert "timeline:" in capsys.readouterr().out
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]

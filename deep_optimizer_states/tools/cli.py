@@ -1,4 +1,5 @@
-"""The ``dos`` command: ``dos train`` (the main job), ``dos bench``, ``dos calibrate`` and ``dos plan``."""
+"""The ``dos`` command: ``dos train`` (the main job: train a small Llama on text), ``dos check`` (a self-check
+against torch.optim.AdamW, also under torchrun with FSDP2), ``dos bench``, ``dos calibrate`` and ``dos plan``."""
 
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ def positive_float(text: str) -> float:
     value = _number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
     return value
 
 
@@ -95,19 +110,19 @@ def _shard(model: torch.nn.Module) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def _train(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> int:
     """Train a Llama-style model on random tokens, checking every step against torch's AdamW. Under torchrun
     the model is sharded with FSDP2 and each rank trains its own batches (the check then runs per shard)."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     device, rank, world = _distributed(device)
     try:
-        return _train_loop(args, device, rank, world)
+        return _check_loop(args, device, rank, world)
     finally:
         if world > 1:
             torch.distributed.destroy_process_group()
 
 
-def _train_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
+def _check_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
     from ..optimizer import DeepOptimizerStates
     from ..reference import ReferenceAdamW
     from .models import llama
@@ -160,6 +175,17 @@ def _worst(err: float, world: int) -> float:
         t = t.cuda()
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return float(t.item())
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .profile import profile
+
+    gpu = torch.cuda.is_available()
+    result = profile(args.model or ("1.36b" if gpu else "tiny"), args.iterations, args.schedule,
+                     args.micro_batch or (4 if gpu else 2), args.seq or (1024 if gpu else 128), out=args.out)
+    phases = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in result["phases"].items())
+    print(f"{phases}\ntimeline: {result['png']}\ntrace (Perfetto, chrome://tracing): {result['trace']}")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -308,20 +334,80 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .models import PRESETS
+
     parser = argparse.ArgumentParser(prog="dos", description=__doc__)
     sub = parser.add_subparsers(dest="command")
-    train = sub.add_parser("train", help="train a Llama-style model with DeepOptimizerStates (default command)")
-    train.add_argument("--model", default="tiny", help="tiny | 0.5b | 1.36b | 5.2b (default tiny)")
-    train.add_argument("--steps", type=positive_int, default=20)
-    train.add_argument("--batch", type=positive_int, default=2)
-    train.add_argument("--seq", type=positive_int, default=64)
-    train.add_argument("--lr", type=positive_float, default=1e-3)
-    train.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
-    train.add_argument("--subgroup-size", type=positive_int, default=None,
+    train = sub.add_parser(
+        "train", help="train a small Llama on text that needs no download (default command)",
+        description="Train a Llama-style model with DeepOptimizerStates: by default on the Python standard "
+                    "library's source at the byte level, a small model on the CPU (a few minutes on 2 cores) or a "
+                    "preset that fits the free memory on a GPU. Checkpoints resume exactly (--resume).")
+    what = train.add_argument_group("model and data")
+    what.add_argument("--preset", choices=list(PRESETS), default=None,
+                      help="a tools/models.py size (vocab from the data); default: hidden 256, 4 layers on the CPU, "
+                           "by free memory on a GPU")
+    what.add_argument("--hidden", type=positive_int, default=None, help="hidden size (a multiple of 64)")
+    what.add_argument("--layers", type=positive_int, default=None, help="decoder layers")
+    what.add_argument("--model", default=None, metavar="PATH",
+                      help="a local Hugging Face model directory (and its tokenizer, if present) to train instead")
+    what.add_argument("--data", nargs="+", default=None, metavar="FILE",
+                      help="your own text files (default: the Python standard library's *.py source)")
+    what.add_argument("--data-mb", type=positive_float, default=8.0,
+                      help="MB of standard library source to read (default 8)")
+    what.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    what.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                      help="params' dtype (default: fp32 on the CPU, bf16 on a GPU)")
+    loop = train.add_argument_group("training")
+    loop.add_argument("--steps", type=positive_int, default=500, help="optimizer steps in all (default 500)")
+    loop.add_argument("--seq", type=positive_int, default=None, help="tokens per sequence (default 128; GPU 1024)")
+    loop.add_argument("--micro-batch", type=positive_int, default=None,
+                      help="sequences per forward/backward (default 16; GPU 8)")
+    loop.add_argument("--accum", type=positive_int, default=1, help="micro-batches accumulated per step (default 1)")
+    loop.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
+    loop.add_argument("--warmup", type=nonnegative_int, default=None,
+                      help="linear warm-up steps, then cosine decay (default: 10%% of --steps, <= 100)")
+    loop.add_argument("--min-lr-ratio", type=_fraction, default=0.1,
+                      help="the cosine ends at this fraction of --lr (default 0.1)")
+    loop.add_argument("--weight-decay", type=_nonnegative_float, default=0.1,
+                      help="on matrices and embeddings (default 0.1)")
+    loop.add_argument("--max-grad-norm", type=_nonnegative_float, default=1.0,
+                      help="global gradient-norm clipping, 0 for none (default 1.0)")
+    loop.add_argument("--schedule", type=_schedule, default="auto", help="optimizer schedule: auto | cpu | gpu | k")
+    loop.add_argument("--subgroup-size", type=positive_int, default=None,
+                      help="elements (default: 1/8 of the model, <= 25M)")
+    loop.add_argument("--seed", type=nonnegative_int, default=0, help="model init and data order (default 0)")
+    ckpt = train.add_argument_group("evaluation, checkpoints and output")
+    ckpt.add_argument("--eval-every", type=nonnegative_int, default=100,
+                      help="held-out loss every N steps, 0 for only at the end (default 100)")
+    ckpt.add_argument("--eval-batches", type=positive_int, default=8,
+                      help="held-out micro-batches per evaluation (default 8)")
+    ckpt.add_argument("--checkpoint-dir", default=None, metavar="DIR", help="save checkpoints here (and at the end)")
+    ckpt.add_argument("--checkpoint-every", type=nonnegative_int, default=0,
+                      help="save every N steps, 0 for only at the end (default 0)")
+    ckpt.add_argument("--keep-checkpoints", type=positive_int, default=2, help="newest checkpoints kept (default 2)")
+    ckpt.add_argument("--resume", action="store_true",
+                      help="continue from the newest checkpoint in --checkpoint-dir (from step 0 if there is none)")
+    ckpt.add_argument("--sample-tokens", type=nonnegative_int, default=200,
+                      help="tokens of text generated at the end, 0 for none (default 200)")
+    ckpt.add_argument("--prompt", default="def ", help="the sample's prompt (default 'def ')")
+    ckpt.add_argument("--top-k", type=positive_int, default=8, help="sample from the k likeliest, 1 = greedy (default 8)")
+    ckpt.add_argument("--summary-json", default=None, metavar="PATH",
+                      help="write losses, eval losses, tokens/s and the time split here as JSON")
+    ckpt.add_argument("--no-progress", action="store_true", help="no progress bar")
+    check = sub.add_parser("check", help="self-check: train on random tokens, every step checked against "
+                                         "torch.optim.AdamW (under torchrun: FSDP2)")
+    check.add_argument("--model", default="tiny", help="tiny | 0.5b | 1.36b | 5.2b (default tiny)")
+    check.add_argument("--steps", type=positive_int, default=20)
+    check.add_argument("--batch", type=positive_int, default=2)
+    check.add_argument("--seq", type=positive_int, default=64)
+    check.add_argument("--lr", type=positive_float, default=1e-3)
+    check.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
+    check.add_argument("--subgroup-size", type=positive_int, default=None,
                        help="elements (default: 1/8 of the model, <= 25M)")
-    train.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--no-check", dest="check", action="store_false",
+    check.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the lockstep torch.optim.AdamW reference (it doubles memory)")
     bench = sub.add_parser("bench", help="time the update phase per schedule")
     bench.add_argument("--model", default=None,
@@ -344,8 +430,22 @@ def main(argv: list[str] | None = None) -> int:
                       help="GPU memory budget (default: the whole GPU)")
     plan.add_argument("--subgroup-size", type=positive_int, default=None, help="elements (default: the best of a few)")
     plan.add_argument("--json", action="store_true")
+    profile = sub.add_parser("profile", help="a few iterations, then a timeline of the last one (PNG and Chrome trace)")
+    profile.add_argument("--model", default=None, help="tiny | 0.5b | 1.36b | 5.2b (default: 1.36b on a GPU, else tiny)")
+    profile.add_argument("--iterations", type=positive_int, default=3)
+    profile.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
+    profile.add_argument("--micro-batch", type=positive_int, default=None, help="default: 4 on a GPU, else 2")
+    profile.add_argument("--seq", type=positive_int, default=None, help="default: 1024 on a GPU, else 128")
+    profile.add_argument("--out", default="profile", help="folder for timeline.png and trace.json")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:] or ["train"])
-    commands = {"train": _train, "bench": _bench, "calibrate": _calibrate, "plan": _plan}
+    if args.command == "train":
+        from .train import UsageError, train as run_training
+
+        try:
+            return run_training(args)
+        except UsageError as e:
+            train.error(str(e))
+    commands = {"check": _check, "bench": _bench, "calibrate": _calibrate, "plan": _plan, "profile": _profile}
     return commands[args.command](args)
 
 

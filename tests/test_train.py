@@ -1,0 +1,121 @@
+"""`dos train`: real training on the standard library's source, run as a user would (a subprocess of
+`python -m deep_optimizer_states`), exact resume from a checkpoint, `dos check`, and option errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deep_optimizer_states.tools.data import TokenData, load_text_data
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--hidden", "64", "--layers", "1", "--seq", "32", "--micro-batch", "8", "--data-mb", "1",
+         "--eval-batches", "2", "--sample-tokens", "16", "--no-progress"]
+
+
+def dos(*args, cache=None, check=True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+    if cache is not None:
+        env["DOS_CACHE_DIR"] = str(cache)
+    run = subprocess.run([sys.executable, "-m", "deep_optimizer_states", *args], capture_output=True, text=True,
+                         env=env, cwd=ROOT, timeout=120)
+    if check:
+        assert run.returncode == 0, f"dos {' '.join(args)} failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    return run
+
+
+def test_train_loss_falls_and_reports_a_summary(tmp_path):
+    summary_file = tmp_path / "summary.json"
+    run = dos("train", *SMALL, "--steps", "30", "--lr", "1e-2", "--eval-every", "15",
+              "--summary-json", str(summary_file), cache=tmp_path)
+    summary = json.loads(summary_file.read_text())
+    losses = [loss for _, loss in summary["losses"]]
+    assert [s for s, _ in summary["losses"]] == list(range(1, 31))
+    assert 5.0 < losses[0] < 6.0, "an untrained byte-level model starts near ln(256) = 5.55"
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
+    assert summary["final_eval_loss"] < losses[0] - 1.0
+    assert [s for s, _ in summary["evals"]] == [15, 30]
+    assert summary["tokens_per_s"] > 0 and abs(sum(summary["time_split"].values()) - 1) < 1e-9
+    assert summary["run"]["vocab"] == 256 and summary["sample"].startswith("def ")
+    assert "done: steps 1-30" in run.stdout and "tokens/s" in run.stdout and "sample (top-8" in run.stdout
+
+
+def test_resumed_run_continues_the_same_loss_curve_exactly(tmp_path):
+    common = [*SMALL, "--steps", "6", "--accum", "2", "--eval-every", "0", "--sample-tokens", "0"]
+    full_dir, resumed_dir = tmp_path / "full", tmp_path / "resumed"
+    dos("train", *common, "--checkpoint-dir", str(full_dir), "--checkpoint-every", "3", "--keep-checkpoints", "5",
+        "--summary-json", str(tmp_path / "full.json"), cache=tmp_path)
+    full = json.loads((tmp_path / "full.json").read_text())
+    # the run "interrupted" after step 3: only its step-3 checkpoint exists
+    resumed_dir.mkdir()
+    shutil.copytree(full_dir / "step-000000003", resumed_dir / "step-000000003")
+    run = dos("train", *common, "--checkpoint-dir", str(resumed_dir), "--resume",
+              "--summary-json", str(tmp_path / "resumed.json"), cache=tmp_path)
+    resumed = json.loads((tmp_path / "resumed.json").read_text())
+    assert "resumed from" in run.stdout and resumed["start_step"] == 3
+    assert resumed["losses"] == full["losses"][3:], "steps 4-6 must repeat the uninterrupted run bit for bit"
+    assert resumed["final_eval_loss"] == full["final_eval_loss"]
+
+
+def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
+    common = [*SMALL, "--steps", "2", "--eval-every", "0", "--sample-tokens", "0", "--checkpoint-dir", str(tmp_path)]
+    dos("train", *common, cache=tmp_path)
+    run = dos("train", *common, "--seq", "16", "--steps", "4", "--resume", cache=tmp_path, check=False)
+    assert run.returncode == 2 and "different run" in run.stderr and "seq" in run.stderr
+
+
+def test_check_is_the_old_self_check(tmp_path):
+    run = dos("check", "--steps", "2", cache=tmp_path)
+    assert "step   2" in run.stdout and "matches torch.optim.AdamW on fp32 masters" in run.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--steps", "0"], "argument --steps: must be an integer >= 1"),
+    (["--lr", "-1"], "argument --lr: must be > 0"),
+    (["--schedule", "sometimes"], "argument --schedule"),
+    (["--preset", "huge"], "argument --preset: invalid choice"),
+    (["--min-lr-ratio", "2"], "argument --min-lr-ratio: must be between 0 and 1"),
+    (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--hidden", "100"], "--hidden must be a multiple of 64"),
+    (["--data", "/nonexistent/file.txt"], "data:"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: not a directory"),
+])
+def test_bad_options_are_argparse_errors(args, message, capsys):
+    from deep_optimizer_states.tools.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--no-progress", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_batches_depend_on_the_step_alone_and_eval_is_held_out():
+    data = load_text_data(None, seq=32, micro_batch=4, seed=3, limit_mb=0.25)
+    again = load_text_data(None, seq=32, micro_batch=4, seed=3, limit_mb=0.25)
+    assert data.fingerprint == again.fingerprint
+    assert torch.equal(data.batch(7, 1), again.batch(7, 1)) and not torch.equal(data.batch(7, 0), data.batch(8, 0))
+    assert data.batch(7, 0).shape == (4, 33) and data.batch(7, 0).dtype == torch.int64
+    total = len(data.train) + len(data.held_out)
+    assert len(data.train) == int(total * 0.95), "the last 5% is held out"
+    text = TokenData.from_bytes(b"abc" * 100, seq=8, micro_batch=2)
+    assert text.decode(text.encode("h\u00e9")) == "h\u00e9" and text.decode([0xff]) == "\ufffd"
+
+
+def test_trains_a_local_hugging_face_model_directory_on_your_files(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                      intermediate_size=128, vocab_size=300)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")  # no tokenizer there: bytes
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    summary_file = tmp_path / "summary.json"
+    dos("train", "--model", str(tmp_path / "model"), "--data", str(text), "--seq", "32", "--micro-batch", "4",
+        "--steps", "3", "--eval-batches", "1", "--sample-tokens", "4", "--no-progress",
+        "--summary-json", str(summary_file), cache=tmp_path)
+    summary = json.loads(summary_file.read_text())
+    assert summary["run"]["vocab"] == 300 and len(summary["losses"]) == 3
