@@ -59,3 +59,17 @@ def train_and_compare(model: nn.Module, opt: DeepOptimizerStates, steps: int = 3
             ours_sched.step()
         ref.assert_matches(rtol)
     return ref
+
+
+class TokenData(torch.utils.data.Dataset):
+    """A small in-memory dataset of random token ids (vocab 128) with labels, for the Trainer tests."""
+
+    def __init__(self, n: int = 24, seq: int = 16, seed: int = 11) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 128, (n, seq), generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

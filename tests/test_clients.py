@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
-from tests.harness import loss_of, mlp
+from tests.harness import TokenData, loss_of, mlp
 from tests.harness import tiny_llama as _tiny_llama
 
 LR = 1e-3
@@ -212,18 +212,6 @@ def test_accelerate_prepare_moves_no_optimizer_state(monkeypatch):
     assert opt.master(next(iter(opt.param_groups[0]["params"]))).device.type == "cpu"
 
 # ---- 3. transformers Trainer ----------------------------------------------------------------------------------
-class _TokenData(torch.utils.data.Dataset):
-    def __init__(self, n: int = 24, seq: int = 16, seed: int = 11) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (n, seq), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def _train(out_dir, make_opt, max_steps=6, resume=None, model_seed=0, **extra):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
@@ -241,7 +229,7 @@ def _train(out_dir, make_opt, max_steps=6, resume=None, model_seed=0, **extra):
     model = tiny_llama(seed=model_seed)
     initial = params_of(model)
     opt = make_opt(model)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_TokenData(), optimizers=(opt, None))
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=TokenData(), optimizers=(opt, None))
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return params_of(model), losses, initial, opt

@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")
 from deep_optimizer_states import DeepOptimizerStates  # noqa: E402
 from deep_optimizer_states.integrations.hf import (  # noqa: E402
     DOSTrainer, optimizer_cls_and_kwargs, optimizer_kwargs)
+from tests.harness import TokenData  # noqa: E402
 
 LR = 1e-3
 WEIGHT_DECAY = 0.1
@@ -49,18 +50,6 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
                                    tie_word_embeddings=False)
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg).to(dtype=dtype)
-
-
-class TokenData(torch.utils.data.Dataset):
-    def __init__(self, n: int = 24, seq: int = 16, seed: int = 11) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(0, 128, (n, seq), generator=gen)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
