@@ -16,6 +16,8 @@ masters instead of being undone by the next step.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -133,8 +135,12 @@ def _split(numel: int, subgroup_size: int) -> list[tuple[int, int]]:
 
 
 def _pieces(bucket: Bucket, start: int, end: int) -> list[Piece]:
+    """The params' elements in [start, end) of the bucket (from the first param that reaches ``start``)."""
     out = []
-    for i, (off, n) in enumerate(zip(bucket.offsets, bucket.sizes)):
+    for i in range(max(0, bisect.bisect_right(bucket.offsets, start) - 1), len(bucket.offsets)):
+        off, n = bucket.offsets[i], bucket.sizes[i]
+        if off >= end:
+            break
         lo, hi = max(start, off), min(end, off + n)
         if lo < hi:
             out.append(Piece(i, lo - off, hi - off, lo - start))
@@ -162,7 +168,7 @@ class Layout:
         for gi, ((params, names), numels) in enumerate(zip(groups, sizes)):
             if not params:
                 continue
-            offsets = [sum(numels[:i]) for i in range(len(numels))]
+            offsets = [0, *itertools.accumulate(numels)][:-1]
             n = sum(numels)
             specs = [HostSpec(n, torch.float32, zero=k != "master") for k in _HOST_BUFFERS]
             host = dict(zip(_HOST_BUFFERS, host_empty_many(specs, pin, progress="pinning optimizer states")))

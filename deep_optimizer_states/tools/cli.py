@@ -115,11 +115,17 @@ def _check(args: argparse.Namespace) -> int:
     the model is sharded with FSDP2 and each rank trains its own batches (the check then runs per shard)."""
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     device, rank, world = _distributed(device)
-    try:
+    if world == 1:
         return _check_loop(args, device, rank, world)
-    finally:
-        if world > 1:
-            torch.distributed.destroy_process_group()
+    rc = _check_loop(args, device, rank, world)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    # The check is done and reported: leave without interpreter teardown, where a gloo process now and then
+    # aborts in C++ static destructors ("terminate called without an active exception") and turns a passed
+    # check into a failed exit status.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _check_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
