@@ -73,3 +73,19 @@ class TokenData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of every named param, to compare runs."""
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True,
+                       rtol: float = 1e-6) -> None:
+    """Same names, and equal values: bit for bit, or within ``rtol`` when not ``exact``."""
+    assert a.keys() == b.keys()
+    for n in a:
+        if exact:
+            assert torch.equal(a[n], b[n]), f"{n}: max diff {(a[n] - b[n]).abs().max().item():.3e}"
+        else:
+            torch.testing.assert_close(a[n], b[n], rtol=rtol, atol=rtol * 1e-2, msg=lambda m: f"{n}: {m}")

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
-from tests.harness import TokenData, loss_of, mlp
+from tests.harness import TokenData, assert_same_params, loss_of, mlp, params_of
 from tests.harness import tiny_llama as _tiny_llama
 
 LR = 1e-3
@@ -46,20 +46,6 @@ def tiny_llama(*args, **kwargs) -> nn.Module:
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------
-def params_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True,
-                       rtol: float = 1e-6) -> None:
-    assert a.keys() == b.keys()
-    for n in a:
-        if exact:
-            assert torch.equal(a[n], b[n]), f"{n}: max diff {(a[n] - b[n]).abs().max().item():.3e}"
-        else:
-            torch.testing.assert_close(a[n], b[n], rtol=rtol, atol=rtol * 1e-2, msg=lambda m: f"{n}: {m}")
-
-
 def batches(count: int, seed: int = 1, batch: int = 2, seq: int = 16) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 128, (batch, seq), generator=gen) for _ in range(count)]
