@@ -109,7 +109,7 @@ def _gathered(value: float) -> list[float]:
 
 
 def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
     hidden, layers, vocab = PRESETS[preset]
