@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -14,8 +15,10 @@ from .core.adam import AdamHyper, check_group
 from .core.engine import Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
 from .core.layout import Layout, local
+from .core.residency import HostState, Residents
 from .core.ranks import cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
+from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -26,10 +29,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     """AdamW (or Adam) whose fp32 master weights and moments live in pinned host memory.
 
     Params must share one device (a GPU, or the CPU for testing); they and their grads stay the model's own
-    tensors. Each step updates the subgroups either on the CPU or staged through the GPU, as ``schedule``
-    says: "cpu" (ZeRO-Offload), "gpu" (every subgroup staged), an int k (one subgroup in every k staged), or
-    "auto" (the calibrated performance model chooses; calibration runs at the first step, or at
-    ``calibrate()``).
+    tensors. Each step updates the subgroups on the CPU, staged through the GPU, or resident on the GPU, as
+    ``schedule`` says: "cpu" (ZeRO-Offload), "gpu" (every subgroup staged), an int k (one subgroup in every k
+    staged), one placement per subgroup, or "auto": as many subgroups resident as ``gpu_memory_budget``
+    leaves room for beside what forward and backward were measured to need, the rest placed by the
+    calibrated performance model (calibration runs at the first step, or at ``calibrate()``).
 
     Results equal ``torch.optim.AdamW(fused=True)`` applied to fp32 master weights; bf16/fp16 params hold the
     masters rounded to their dtype. As in torch, a param whose ``.grad`` is None is left alone (no decay, no
@@ -55,6 +59,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         loss_scale: str | float | None = "auto",
         nonfinite: str = "skip",
         staging_slots: int = 2,
+        gpu_memory_budget: int | float | None = None,
         cpu_threads: int | None = None,
         device: str | torch.device | None = None,
         maximize: bool = False,
@@ -83,6 +88,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=adamw)
         super().__init__(params, defaults)
+        self.state = HostState(self._make_current)
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
@@ -94,8 +100,17 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             torch.set_num_threads(threads)
         self.layout = Layout(trainable, subgroup_size, self.device, local_ranks(),
                              None if self.group is None else lambda: torch.distributed.barrier(group=self.group))
+        self.layout.before_host_write = self._evict_param
         self.engine = Engine(self.device)
-        self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots)
+        self.residents = Residents(self.device)
+        probe = CudaProbe(self.device) if self.device.type == "cuda" else None
+        self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
+                               budget=MemoryBudget(gpu_memory_budget, probe))
+        self._largest_input = 0
+        self._hook = None
+        if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
+            self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
+            weakref.finalize(self, self._hook.remove)
         self.schedule = schedule
         self.scaler = self._make_scaler(loss_scale)
         self.skipped_steps = 0
@@ -200,10 +215,41 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         that has taken a step; as in torch, a param's state is empty before its first step."""
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
-                if b.steps[i] > 0 and "step" not in self.state[p]:
+                if b.steps[i] > 0 and "step" not in (self.state.raw(p) or {}):
                     self.state[p] = {"step": b.step_tensors[i], **self.layout.views(p)}
                 elif b.steps[i] == 0 and p in self.state:
                     del self.state[p]
+
+    # ---- resident states ----------------------------------------------------------------------------
+    def _make_current(self, p: torch.Tensor | None) -> None:
+        """Before the host copy of ``p``'s states (all params' for None) is read: evict its resident subgroups."""
+        if self.layout is None or not len(self.residents):
+            return
+        if p is None:
+            self.residents.evict()
+        elif id(p) in self.layout.where:
+            self._evict_param(*self.layout.where[id(p)])
+
+    def _evict_param(self, bucket, i: int) -> None:
+        if len(self.residents):
+            self.residents.evict(only={sg.index for sg in self.layout.subgroups_of(bucket, i)})
+
+    def release_gpu_memory(self) -> None:
+        """Move every resident state back to pinned host memory now (before a forward that needs more GPU
+        memory than training did, e.g. evaluation with a larger batch); the next step admits them again."""
+        self._open()
+        self.residents.evict()
+
+    def _before_forward(self, args: tuple, kwargs: dict) -> None:
+        """A forward with more input elements than any so far may need more memory than was measured: the
+        residents leave before it runs, not after an out-of-memory error (the next step measures again)."""
+        if self.layout is None:
+            return
+        size = sum(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        if size > self._largest_input:
+            if self._largest_input and len(self.residents):
+                self.residents.evict()
+            self._largest_input = size
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master weight of ``p`` (its local shard under FSDP2): a view into pinned host memory."""
@@ -212,6 +258,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if id(p) not in self.layout.where:
             raise KeyError("this param has no master: it is not in the optimizer, or had requires_grad=False "
                            "when the optimizer was built")
+        self._make_current(p)
         return self.layout.views(p)["master"]
 
     # ---- schedule -----------------------------------------------------------------------------------
@@ -271,7 +318,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if multipliers is None:  # inf/nan gradients: nothing updated
             return loss
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
-        plan = self.planner.refresh()
+        plan = self.planner.refresh(self.residents.bytes())
+        self.residents.evict(keep={i for i, place in enumerate(plan.placements) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
         for sg, place in zip(self.layout.subgroups, plan.placements):
@@ -279,9 +327,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if runs:
                 jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
         try:
-            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1))
+            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents)
         finally:
             self.layout.record_writes()
+        self.planner.after_update()
         self.planner.observe(self.last_update)
         self.layout.advance_steps(has_grad)
         self._expose_state()
@@ -339,11 +388,18 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._norm_cache, self._clip_once = None, None
 
     def memory(self) -> dict[str, int]:
-        """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), and the GPU
-        memory its last update allocated and freed (staging slots, the CPU path's scratch)."""
+        """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), the GPU memory
+        of resident states (kept between steps) and the GPU memory its last update allocated and freed
+        (staging slots, scratch); with residency's counters (admitted, evicted, failed admissions) and the
+        GPU memory budget and measured need of forward + backward (None without a GPU)."""
         self._open()
-        return {"host_bytes": self.layout.bytes()["host"],
-                "device_update_bytes": self.last_update.device_bytes if self.last_update else 0}
+        budget = self.planner.budget
+        c = self.residents.counters
+        return {"host_bytes": self.layout.bytes()["host"], "device_resident_bytes": self.residents.bytes(),
+                "device_update_bytes": self.last_update.device_bytes if self.last_update else 0,
+                "resident_subgroups": len(self.residents), "admitted": c.admitted, "evicted": c.evicted,
+                "failed_admissions": c.failed, "gpu_budget_bytes": budget.bytes() if budget.active else None,
+                "gpu_need_bytes": budget.need}
 
     def calibrate(self) -> None:
         """Measure this machine's rates now (else "auto" does it at the first step); cached per machine."""
@@ -359,6 +415,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if self.layout is None:
             return
         self.engine.close()
+        if self._hook is not None:
+            self._hook.remove()
+        self.residents = Residents(self.device)  # the GPU states go with the optimizer
         self.state.clear()
         self.layout = None
 
@@ -379,6 +438,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self.layout.take_edits()  # weights loaded since the last step are the masters a checkpoint must hold
+        self.residents.evict()  # the host copy is what a checkpoint holds (the next step admits them again)
         sd = state_io.pack(self)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, sd)
@@ -393,9 +453,18 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        self.residents.evict()  # loaded values go to the host; residents would overwrite them
         state_io.load(self, state_dict)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+
+def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._before_forward(args, kwargs)
+    return hook
 
 
 def _refuse_sparse_modules(module: nn.Module) -> None:

@@ -8,8 +8,10 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
   staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot
                [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
                [stage_out]  slot -> host master/exp_avg/exp_avg_sq, then the slot is free again
+  resident:    [stage_in]   only when just admitted: host states -> its GPU states (kept across steps)
+               [gpu]        grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
 
-The main thread enqueues the staged pipeline at once (slots bound how far it runs ahead); the CPU worker
+The main thread enqueues the residents, then the staged pipeline at once (slots bound how far it runs ahead); the CPU worker
 takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones on their way down, so
 grads trickle at the CPU's pace instead of crowding the link and host memory at the start. While the CPU
 updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs in program
@@ -30,6 +32,7 @@ import torch
 from .adam import AdamHyper, adam_update
 from .lanes import Lane, current_point
 from .layout import Subgroup
+from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
 
 FP32 = torch.float32
@@ -70,7 +73,10 @@ class UpdateStats:
     d2h_bytes: int
     lane_seconds: dict[str, float]  # busy time of each lane: grads_down, params_up, stage_in, gpu, stage_out
     staged_window_s: float  # from the first staged subgroup's way in to the last one's way back
-    device_bytes: int = 0  # GPU memory the update allocated: staging slots and the CPU path's scratch
+    device_bytes: int = 0  # GPU memory the update allocated and freed: slots, the grad and param scratch
+    resident_subgroups: int = 0  # updated in place on the GPU
+    admitted: int = 0  # resident subgroups copied in for this update (counted in h2d_bytes)
+    fallbacks: int = 0  # resident or staged subgroups that found no GPU memory and took the CPU path
     timeline: list[dict] | None = None  # with Engine.trace: every block of work, {lane, start, end, label}
 
 
@@ -143,10 +149,12 @@ class Engine:
             self._worker.shutdown(wait=True)
             self._worker = None
 
-    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = 2) -> UpdateStats:
-        """Apply one optimizer step to every job; returns once params and host states are all updated."""
-        if any(j.placement is Placement.RESIDENT for j in jobs):
-            raise NotImplementedError("resident subgroups are not run by the engine yet: use 'cpu' or 'staged'")
+    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = 2,
+               residents: Residents | None = None) -> UpdateStats:
+        """Apply one optimizer step to every job; returns once params and states are all updated (a resident
+        subgroup's states on the GPU, the others' on the host)."""
+        if residents is None:
+            residents = Residents(self.device)
         if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -157,11 +165,15 @@ class Engine:
         ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
         for lane in self.lanes.values():
             lane.wait(ready)
-        jobs, slots, down, up = self._buffers(jobs, max_slots)
+        jobs, fresh, fallbacks = self._admit(jobs, residents)
+        staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
+        jobs, slots, down, up, grads = self._buffers(jobs, max_slots)
         feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers)
         pending: list[Future] = []
         try:
             pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up) for i, job in enumerate(feed.jobs)]
+            for job in (j for j in jobs if j.placement is Placement.RESIDENT):
+                self._update_resident(job, residents, job.subgroup.index in fresh, grads, multipliers)
             for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
                 self._update_staged(job, slots[n % len(slots)], multipliers)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
@@ -174,10 +186,29 @@ class Engine:
         timeline = self._timeline(origin, start) if self.trace else None
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
-        stats.device_bytes = sum(4 * t.numel() for t in (down, up) if t is not None) + sum(
+        stats.device_bytes = sum(4 * t.numel() for t in (down, up, grads) if t is not None) + sum(
             16 * slot.p.numel() for slot in slots)
-        stats.timeline = timeline
+        admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
+        stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
+        stats.admitted, stats.timeline = len(fresh), timeline
+        stats.fallbacks = fallbacks + staged_planned - stats.staged_subgroups
         return stats
+
+    def _admit(self, jobs: list[Job], residents: Residents) -> tuple[list[Job], set[int], int]:
+        """GPU memory for resident jobs not yet resident; one that finds none takes the CPU path this step.
+        Returns the jobs, the subgroups just admitted (their states still to copy in) and the fallbacks."""
+        fresh, out, fallbacks = set(), [], 0
+        for j in jobs:
+            if j.placement is Placement.RESIDENT and j.subgroup not in residents:
+                if residents.allocate(j.subgroup):
+                    fresh.add(j.subgroup.index)
+                else:
+                    j, fallbacks = dataclasses.replace(j, placement=Placement.CPU), fallbacks + 1
+            out.append(j)
+        if fallbacks:
+            warnings.warn(f"not enough GPU memory to keep {fallbacks} subgroup(s) resident: updated on the CPU "
+                          "this step", RuntimeWarning)
+        return out, fresh, fallbacks
 
     def _timeline(self, origin, start: float) -> list[dict]:
         blocks = [(name, *span) for name, lane in self.lanes.items() for span in lane.timeline(origin)]
@@ -185,7 +216,8 @@ class Engine:
         return [{"lane": lane, "start": a, "end": b, "label": label} for lane, a, b, label in blocks]
 
     def _buffers(self, jobs: list[Job], count: int):
-        """Device scratch for the CPU path and staging slots; staged jobs fall back to the CPU without memory."""
+        """Staging slots, the CPU path's scratch and the residents' fp32 gradient buffer; staged jobs fall
+        back to the CPU without memory for their slots."""
         staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED]
         slots = []
         if staged:
@@ -193,14 +225,17 @@ class Engine:
                 slots = [_Slot(max(staged), self.device) for _ in range(min(count, len(staged)))]
             except torch.cuda.OutOfMemoryError:
                 if not self._warned_fallback:
-                    warnings.warn("not enough GPU memory for the staging slots: updating every subgroup on the CPU")
+                    warnings.warn("not enough GPU memory for the staging slots: updating those subgroups on the CPU")
                     self._warned_fallback = True
-                jobs = [dataclasses.replace(j, placement=Placement.CPU) for j in jobs]
+                jobs = [dataclasses.replace(j, placement=Placement.CPU) if j.placement is Placement.STAGED else j
+                        for j in jobs]
         on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
         need = self.device.type == "cuda" and on_cpu
         down = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
         up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
-        return jobs, slots, down, up
+        resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
+        grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
+        return jobs, slots, down, up, grads
 
     def _on_cpu(self, fn: Callable, *args) -> Future:
         if self._worker is not None:
@@ -220,6 +255,20 @@ class Engine:
         self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
         with self.params_up.run(f"sg{sg.index}"):
             _params_from(sg.master, sg, scratch)
+
+    def _update_resident(self, job: Job, residents: Residents, fresh: bool, grads: torch.Tensor,
+                         multipliers) -> None:
+        sg = job.subgroup
+        p, m, v = residents.tensors(sg)
+        if fresh:
+            with self.stage_in.run(f"sg{sg.index}"):
+                residents.copy_in(sg)
+            self.gpu.wait(self.stage_in.record())
+        with self.gpu.run(f"sg{sg.index}"):
+            g = grads[: sg.numel]
+            _grads_fp32(g, sg, None, multipliers)
+            job.adam(p, g, m, v)
+            _params_from(p, sg, None)
 
     def _update_staged(self, job: Job, slot: _Slot, multipliers) -> None:
         sg = job.subgroup
@@ -245,6 +294,8 @@ class Engine:
                window: float) -> UpdateStats:
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
+        resident = sum(j.placement is Placement.RESIDENT for j in jobs)
         link_bytes = STAGED_BYTES * sum(sg.numel for sg in staged) + CPU_PATH_BYTES * sum(sg.numel for sg in cpu)
         return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=link_bytes,
-                           d2h_bytes=link_bytes, lane_seconds=busy, staged_window_s=window)
+                           d2h_bytes=link_bytes, lane_seconds=busy, staged_window_s=window,
+                           resident_subgroups=resident)

@@ -180,10 +180,16 @@ class Layout:
         self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
         self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._seen: dict[int, tuple[int, int]] = {}
+        self.before_host_write = None  # (bucket, i) -> None: called before an edit is written to a master
         with torch.no_grad():
             for b in self.buckets:
                 for i in range(len(b.params)):
                     self.take_param(b, i)
+
+    def subgroups_of(self, b: Bucket, i: int) -> list[Subgroup]:
+        """The subgroups that hold elements of param i of bucket b."""
+        s = b.param_slice(i)
+        return [sg for sg in self.subgroups if sg.bucket is b and sg.start < s.stop and sg.end > s.start]
 
     def views(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """p's master, exp_avg and exp_avg_sq: views into the host buffers, shaped like its local tensor."""
@@ -220,6 +226,8 @@ class Layout:
             for i, p in enumerate(b.params):
                 t = local(p)
                 if self._seen[id(p)] != (t._version, t.data_ptr()):
+                    if self.before_host_write is not None:
+                        self.before_host_write(b, i)
                     self.take_param(b, i)
                     edited.append(b.names[i])
         return edited

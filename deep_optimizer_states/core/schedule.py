@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Union
-
-Schedule = Union[str, int]
+from typing import Sequence, Union
 
 # Until the calibrated performance model chooses, "auto" stages this fraction of subgroups: the best point
 # of our sweep on an H200 (1.36B params, subgroups of 25M: k=2 took 0.284 s, docs/update-phase.md).
@@ -15,17 +13,29 @@ AUTO_STAGED_FRACTION = 0.5
 class Placement(str, Enum):
     CPU = "cpu"  # grad down to host, fused AdamW on the CPU, fp32 master up and cast on the GPU
     STAGED = "staged"  # master/exp_avg/exp_avg_sq up into a GPU slot, fused AdamW on the GPU, states back
-    RESIDENT = "resident"  # states kept on the GPU: priced by the performance model, not yet run by the engine
+    RESIDENT = "resident"  # states kept on the GPU across steps, updated in place (no PCIe traffic)
+
+
+Schedule = Union[str, int, Sequence[Union[Placement, str]]]
 
 
 def validate_schedule(schedule: Schedule) -> Schedule:
-    """Return ``schedule`` if it is "auto", "cpu", "gpu" or an int k >= 1; raise a ValueError otherwise."""
+    """Return ``schedule`` if it is "auto", "cpu", "gpu", an int k >= 1, or one placement per subgroup
+    ("cpu", "staged", "resident"; a tuple of ``Placement``); raise a ValueError otherwise."""
+    if isinstance(schedule, (list, tuple)):
+        try:
+            return tuple(Placement(p) for p in schedule)
+        except ValueError:
+            raise ValueError(f"a schedule given per subgroup holds 'cpu', 'staged' or 'resident' for each subgroup, "
+                             f"got {list(schedule)!r}") from None
     if isinstance(schedule, bool) or not isinstance(schedule, (str, int)):
-        raise ValueError(f"schedule must be 'auto', 'cpu', 'gpu' or an int k >= 1, got {schedule!r}")
+        raise ValueError(f"schedule must be 'auto', 'cpu', 'gpu', an int k >= 1 or a placement per subgroup, "
+                         f"got {schedule!r}")
     if isinstance(schedule, int) and schedule < 1:
         raise ValueError(f"schedule k must be >= 1 (one subgroup in every k staged to the GPU), got {schedule}")
     if isinstance(schedule, str) and schedule not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"schedule must be 'auto', 'cpu', 'gpu' or an int k >= 1, got {schedule!r}")
+        raise ValueError(f"schedule must be 'auto', 'cpu', 'gpu', an int k >= 1 or a placement per subgroup, "
+                         f"got {schedule!r}")
     return schedule
 
 
@@ -39,6 +49,11 @@ def spread(count: int, staged: int) -> list[Placement]:
 
 def placements(schedule: Schedule, count: int) -> list[Placement]:
     """One placement per subgroup. k: subgroups 0, k, 2k, ... are staged (k=1 stages all)."""
+    if isinstance(schedule, tuple):
+        if len(schedule) != count:
+            raise ValueError(f"the schedule gives {len(schedule)} placements for {count} subgroups: give one per "
+                             "subgroup (len(opt.layout.subgroups))")
+        return list(schedule)
     if schedule == "cpu":
         return [Placement.CPU] * count
     if schedule == "gpu":

@@ -1,11 +1,14 @@
 """The plan: where each subgroup is updated, from the user's schedule and, for "auto", the performance model.
 
-"auto" on a GPU asks the calibrated model for the placement with the least predicted update time, and
-plans again when the GPU memory free for staging slots changes. Calibration (seconds, and GPU memory) is
-never run while the optimizer is built: a stored calibration is used at once; without one, "auto" starts
-with a provisional plan (half of the subgroups staged, no prediction) and calibrates at the first
-``refresh`` (the first step) or at an explicit ``calibrate()``. Without a GPU, staging means nothing, so
-"auto" keeps half of the subgroups on each path (both run) and never calibrates.
+"auto" on a GPU first keeps resident as many subgroups as the GPU memory budget leaves room for beside what
+forward and backward were measured to need (``budget.MemoryBudget``): their update costs no PCIe traffic.
+The rest are placed by the calibrated model (the placement with the least predicted update time), planned
+again when the memory free for staging slots or for residents changes. Calibration (seconds, and GPU
+memory) is never run while the optimizer is built: a stored calibration is used at once; without one,
+"auto" starts with a provisional plan (half of the subgroups staged, no prediction) and calibrates at the
+first ``refresh`` (the first step) or at an explicit ``calibrate()``; a plan with every subgroup resident
+needs no calibration. Without a GPU, staging means nothing, so "auto" keeps half of the subgroups on each
+path (both run) and never calibrates.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.residency import RESIDENT_BYTES_PER_ELEMENT
 from ..core.schedule import Placement, Schedule, placements, validate_schedule
+from .budget import CudaProbe, MemoryBudget
 from .perfmodel import Prediction, Rates, choose, predict
 from .refine import Refiner
 
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 SLOT_BYTES_PER_ELEMENT = 16  # fp32 param, grad, exp_avg, exp_avg_sq
 SCRATCH_BYTES_PER_ELEMENT = 8  # the CPU path's fp32 grad and param scratch
+RESIDENT_SCRATCH_BYTES_PER_ELEMENT = 4  # the residents' fp32 grad buffer
 REPLAN_CHANGE = 0.02  # "auto" plans again when a refined rate moved by more than this since the last plan
 
 
@@ -46,8 +52,16 @@ class Planner:
     needed), refined by what real updates show (``refine.Refiner``): the CPU's AdamW speed alone and beside
     the link, and the link's beside the CPU."""
 
-    def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None) -> None:
+    def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None,
+                 budget: MemoryBudget | None = None) -> None:
         self.sizes, self.device, self.max_slots = sizes, device, max_slots
+        if budget is None:
+            gpu = device.type == "cuda" and torch.cuda.is_available()
+            budget = MemoryBudget(None, CudaProbe(device) if gpu else None)
+        self.budget = budget
+        self._gpu = device.type == "cuda" or budget.active  # a GPU memory to plan (a fake one in tests)
+        self._held = 0  # resident bytes allocated now
+        self._want = 0  # resident subgroups the plan being made wants
         self._calibrated = rates
         self.refiner = Refiner()
         self._observed = 0
@@ -125,43 +139,60 @@ class Planner:
 
     def plan(self, schedule: Schedule) -> Plan:
         """A new plan for ``schedule``. Never measures: "auto" on a GPU without stored rates gets a provisional
-        plan (half of the subgroups staged, no prediction) until ``refresh`` or ``calibrate``."""
+        plan (half of the non-resident subgroups staged, no prediction) until ``refresh`` or ``calibrate``."""
         schedule = validate_schedule(schedule)
-        slots = self.slots_that_fit()
-        pending = False
-        if schedule != "auto" or self.device.type != "cuda":
-            places = placements(schedule, len(self.sizes))
-            rates = self.known_rates()
-            pred = predict(self.sizes, places, rates, max(slots, 1)) if rates else None
-        elif slots == 0:
-            places, pred = placements("cpu", len(self.sizes)), None
+        count, pending = len(self.sizes), False
+        if schedule != "auto" or not self._gpu:
+            self._want = 0
+            places, slots = placements(schedule, count), self.slots_that_fit()
         else:
-            if self._calibrated is None:
-                self._calibrated = self._stored()
-            if self._calibrated is None:
-                places, pred, pending = placements("auto", len(self.sizes)), None, True
+            self._want = self.residents_that_fit()
+            rest, slots = len(self.sizes) - self._want, self.slots_that_fit()
+            if not rest:
+                tail = []
+            elif slots == 0:
+                tail = placements("cpu", rest)
             else:
-                places, pred = choose(self.sizes, self.rates, slots)
+                if self._calibrated is None:
+                    self._calibrated = self._stored()
+                if self._calibrated is None:
+                    tail, pending = placements("auto", rest), True
+                else:
+                    tail = choose(self.sizes[self._want:], self.rates, slots)[0]
+            places = [Placement.RESIDENT] * self._want + tail
+        rates = self.known_rates()
+        pred = predict(self.sizes, places, rates, max(slots, 1)) if rates and not pending else None
         self.current = Plan(schedule, places, slots, pred)
         self._pending = pending
         self._planned_factors = self.factors
         return self.current
 
-    def refresh(self) -> Plan:
-        """The current plan; for "auto" on a GPU, calibrated first if it is still provisional, and planned
-        again if the staging memory that fits or a refined rate has changed."""
-        if self.current.schedule != "auto" or self.device.type != "cuda":
+    def refresh(self, resident_bytes: int = 0) -> Plan:
+        """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states;
+        for "auto" on a GPU, calibrated first if it is still provisional, and planned again if the memory for
+        residents or staging slots, or a refined rate, has changed."""
+        if self.current.schedule != "auto" or not self._gpu:
             return self.current
-        if self._pending:
-            self._calibrate_for_auto()
-            return self.current
+        self._held = resident_bytes
+        if self.budget.active:
+            self.budget.observe(resident_bytes)
         now = self.factors
         moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now)
-        if moved or self.slots_that_fit() != self.current.slots:
+        residents = self.current.placements.count(Placement.RESIDENT)
+        if self._pending or moved or self.residents_that_fit() != residents:
             self.plan("auto")
-            if self._pending:
-                self._calibrate_for_auto()
+        else:
+            self._want = residents
+            if self.slots_that_fit() != self.current.slots:
+                self.plan("auto")
+        if self._pending:
+            self._calibrate_for_auto()
         return self.current
+
+    def after_update(self) -> None:
+        """The update's transient allocations raised the allocator's peak, not forward or backward."""
+        if self.budget.active:
+            self.budget.after_update()
 
     def _calibrate_for_auto(self) -> None:
         try:
@@ -170,24 +201,34 @@ class Planner:
             self._pending = False
             warnings.warn(f"cannot calibrate ({e}); schedule 'auto' stages half of the subgroups")
 
-    def slots_that_fit(self) -> int:
-        """How many staging slots (up to ``max_slots``) fit in the GPU memory free right now."""
-        if self.device.type != "cuda":
-            return self.max_slots
-        free = gpu_bytes_free(self.device)
+    def residents_that_fit(self) -> int:
+        """How many subgroups, from the first, the budget lets stay resident: all of them if their states and
+        gradient buffer fit beside the measured need; otherwise those that fit beside staging slots and the
+        CPU path's scratch as well."""
+        room = self.budget.resident_room() if self.budget.active else 0
         biggest = max(self.sizes)
-        spare = free - SCRATCH_BYTES_PER_ELEMENT * biggest
+        if room <= 0:
+            return 0
+        if RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes) + RESIDENT_SCRATCH_BYTES_PER_ELEMENT * biggest <= room:
+            return len(self.sizes)
+        room -= (SLOT_BYTES_PER_ELEMENT * self.max_slots + SCRATCH_BYTES_PER_ELEMENT
+                 + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
+        fits = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0) * RESIDENT_BYTES_PER_ELEMENT <= room
+        return int(fits.sum())  # the cumulative sum grows: the ones that fit are a prefix
+
+    def slots_that_fit(self) -> int:
+        """How many staging slots (up to ``max_slots``) fit in the GPU memory free at the update, within the
+        budget, beside the residents this plan adds."""
+        if not self._gpu:
+            return self.max_slots
+        free = self.budget.free() if self.budget.active else gpu_bytes_free(self.device)
+        free -= max(0, RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want]) - self._held)
+        biggest = max(self.sizes)
+        spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
         return int(max(0, min(self.max_slots, spare // (SLOT_BYTES_PER_ELEMENT * biggest))))
 
 
 def gpu_bytes_free(device: torch.device) -> int:
     """Bytes this process may still allocate: the device's free memory plus our cached blocks, capped by
     torch.cuda.set_per_process_memory_fraction when one is set (how a smaller GPU is emulated)."""
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    free += torch.cuda.memory_reserved(device) - allocated
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
-    if get_fraction is not None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        free = min(free, int(get_fraction(index) * total) - allocated)
-    return max(0, free)
+    return CudaProbe(device).free()

@@ -1,0 +1,132 @@
+"""The GPU memory budget: how much of the GPU the optimizer may fill with resident states and staging slots.
+
+The budget is the most this process should have allocated on the GPU at any moment: the model's params,
+grads and activations, plus what the optimizer keeps there. Its default is the memory the process may use
+(the device, or less under ``torch.cuda.set_per_process_memory_fraction``) less a margin for fragmentation
+and other libraries. What forward and backward need is measured, not guessed: at each step the peak of the
+caching allocator since the last step, less the resident states that were there all along, is what the
+model needed beside them. torch's peak statistics are never reset (users read them too): a rise of the peak
+is what tells us the model needed more. Residents may fill what is left of the budget after that need
+and a headroom; the planner decides which subgroups.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+DEFAULT_MARGIN_FRACTION = 0.05  # of what the process may use, kept free by the default budget
+MIN_MARGIN_BYTES = 1 << 30
+HEADROOM_FRACTION = 0.03  # of the budget, kept free beside the measured need (the need moves a little)
+MIN_HEADROOM_BYTES = 512 << 20
+
+
+class MemoryProbe(Protocol):
+    """Where the budget reads the device's memory (torch.cuda on a GPU; a fake one in tests)."""
+
+    def total(self) -> int: ...  # the device's memory
+
+    def limit(self) -> int: ...  # the most this process may allocate (the per-process fraction applied)
+
+    def allocated(self) -> int: ...
+
+    def peak(self) -> int: ...  # the caching allocator's peak of allocated bytes
+
+    def free(self) -> int: ...  # what could still be allocated now (free on the device plus our cache)
+
+
+class CudaProbe:
+    """The memory of one CUDA device, read from torch.cuda."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def total(self) -> int:
+        return torch.cuda.get_device_properties(self.device).total_memory
+
+    def limit(self) -> int:
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+        if get_fraction is None:
+            return self.total()
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        return int(get_fraction(index) * self.total())
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def free(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = self.allocated()
+        free += torch.cuda.memory_reserved(self.device) - allocated
+        return max(0, min(free, self.limit() - allocated))
+
+
+def validate_budget(spec: int | float | None) -> int | float | None:
+    """``spec`` if it is None, a fraction in (0, 1] of the device, or a byte count > 1; else a ValueError."""
+    if spec is None:
+        return None
+    if isinstance(spec, bool) or not isinstance(spec, (int, float)):
+        raise ValueError(f"gpu_memory_budget must be bytes (an int), a fraction of the device in (0, 1], or None "
+                         f"(the device less a margin); got {spec!r}")
+    if isinstance(spec, float) and not 0 < spec <= 1:
+        raise ValueError(f"gpu_memory_budget={spec!r}: a float is a fraction of the device and must lie in (0, 1]; "
+                         "give bytes as an int (e.g. 40 * 2**30)")
+    if isinstance(spec, int) and spec < 1 << 20:
+        raise ValueError(f"gpu_memory_budget={spec} bytes is less than 1 MiB: give bytes (e.g. 40 * 2**30), or a "
+                         "float fraction of the device (e.g. 1.0 for all of it)")
+    return spec
+
+
+class MemoryBudget:
+    """The budget of one optimizer and the need of forward + backward it has measured."""
+
+    def __init__(self, spec: int | float | None, probe: MemoryProbe | None) -> None:
+        self.spec = validate_budget(spec)
+        self.probe = probe
+        self.need: int | None = None  # bytes forward + backward needed beside our residents (None: not seen)
+        self._peak_seen = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether there is a device memory to budget (not on a CPU-only run)."""
+        return self.probe is not None
+
+    def bytes(self) -> int:
+        """The budget in bytes: what was asked for, never more than the process may allocate."""
+        limit = self.probe.limit()
+        if self.spec is None:
+            return limit - max(MIN_MARGIN_BYTES, int(DEFAULT_MARGIN_FRACTION * limit))
+        asked = int(self.spec * self.probe.total()) if isinstance(self.spec, float) else self.spec
+        return min(asked, limit)
+
+    def headroom(self) -> int:
+        return max(MIN_HEADROOM_BYTES, int(HEADROOM_FRACTION * self.bytes()))
+
+    def observe(self, resident_bytes: int) -> None:
+        """At a step, before the update allocates: learn what forward + backward needed beside the
+        ``resident_bytes`` held through them. Only a moved peak says something new (a reset by the user
+        makes it fall: it is read again from there); the need only grows."""
+        peak = self.probe.peak()
+        if peak != self._peak_seen or self.need is None:
+            seen = max(0, peak - resident_bytes)
+            self.need = seen if self.need is None else max(self.need, seen)
+        self._peak_seen = peak
+
+    def after_update(self) -> None:
+        """The update's own transients (slots, scratch) may have raised the peak: that is not the model's."""
+        self._peak_seen = self.probe.peak()
+
+    def resident_room(self) -> int:
+        """Bytes residents (and the update's transients) may take: the budget less the measured need and
+        the headroom; 0 before anything was measured."""
+        if not self.active or self.need is None:
+            return 0
+        return max(0, self.bytes() - self.need - self.headroom())
+
+    def free(self) -> int:
+        """What may still be allocated now within the budget."""
+        return max(0, min(self.probe.free(), self.bytes() - self.probe.allocated()))
