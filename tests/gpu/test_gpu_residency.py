@@ -1,0 +1,111 @@
+"""On a GPU: resident subgroups with real streams equal torch's AdamW, and the memory budget holds.
+
+Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu``. Seeds come from the OS and are printed.
+"""
+
+import os
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.planning.budget import MIN_HEADROOM_BYTES
+from deep_optimizer_states.reference import ReferenceAdamW
+from tests.harness import loss_of, tiny_llama
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+R, S, C = Placement.RESIDENT, Placement.STAGED, Placement.CPU
+
+
+def _seed() -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    return seed
+
+
+def _stack(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)]).to("cuda", torch.bfloat16)
+
+
+def _train(model, opt, ref, seed: int, steps: int, check_every: int | None = None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        opt.zero_grad()
+        x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        ref.step(1.0)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        if check_every and step % check_every == 0:
+            ref.assert_matches()
+
+
+@pytest.mark.parametrize("repeat", range(int(os.environ.get("DOS_GPU_REPEATS", "3"))))
+def test_mixed_placements_changing_between_steps_match_adamw(repeat):
+    seed = _seed()
+    model = tiny_llama(torch.bfloat16, "cuda", seed=seed)
+    opt = DeepOptimizerStates(model, lr=3e-3, subgroup_size=sum(p.numel() for p in model.parameters()) // 10,
+                              schedule="cpu")
+    count = len(opt.layout.subgroups)
+    gen = torch.Generator().manual_seed(seed)
+    ref = ReferenceAdamW(opt)
+    data = torch.Generator().manual_seed(seed + 1)
+    for step in range(12):
+        opt.schedule = [(R, S, C)[int(i)] for i in torch.randint(0, 3, (count,), generator=gen)]
+        opt.zero_grad()
+        loss_of(model, data).backward()
+        ref.step()
+        opt.step()
+        if step % 4 == 3:  # reading evicts; the others stay resident across steps
+            ref.assert_matches()
+    assert opt.residents.counters.admitted > 0 and opt.residents.counters.evicted > 0
+
+
+def test_auto_on_a_roomy_gpu_keeps_everything_resident_and_matches():
+    seed = _seed()
+    model = _stack(seed)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000)
+    ref = ReferenceAdamW(opt)
+    _train(model, opt, ref, seed, steps=6)
+    assert opt.placements == [R] * len(opt.layout.subgroups)
+    assert opt.last_update.resident_subgroups == len(opt.layout.subgroups) and opt.last_update.h2d_bytes == 0
+    assert opt.memory()["device_resident_bytes"] == 12 * opt.layout.numel
+    ref.assert_matches()
+
+
+def _train_plain(model, opt, seed: int, steps: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        opt.zero_grad()
+        x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    opt.zero_grad()
+
+
+def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
+    """The same training twice: all on the CPU path (exact: the other tests), then under a budget that
+    leaves room for about half of the states; the peak stays within it and the masters agree."""
+    seed = _seed()
+    model = _stack(seed)
+    numel = sum(p.numel() for p in model.parameters())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="cpu", max_grad_norm=1.0) as opt:
+        _train_plain(model, opt, seed, steps=8)
+        need = torch.cuda.max_memory_allocated()
+        expected = [opt.master(p).clone() for p in model.parameters()]
+    del model, opt
+    model = _stack(seed)
+    budget = need + MIN_HEADROOM_BYTES + 6 * numel + 60_000_000  # about half of the states fit
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, gpu_memory_budget=budget, max_grad_norm=1.0)
+    opt.calibrate()  # once per machine, before training (its own buffers are not the budget's business)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    _train_plain(model, opt, seed, steps=8)
+    places = opt.placements
+    assert 0 < places.count(R) < len(places), places
+    assert torch.cuda.max_memory_allocated() <= budget
+    for p, want in zip(model.parameters(), expected):
+        torch.testing.assert_close(opt.master(p), want, rtol=1e-5, atol=1e-7)

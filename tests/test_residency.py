@@ -1,0 +1,332 @@
+"""Resident subgroups and the GPU memory budget, on the CPU: exactness whatever the placement, eviction
+whenever the host copy is read or written, allocation failures, and the budget's arithmetic.
+
+On a CPU-only machine the "GPU" states of a resident subgroup are separate CPU tensors: the same code paths
+(admission, in-place update, eviction) as on a GPU. The budget reads a fake probe with the numbers a test
+sets, so the planner's choices can be checked without a device.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.core import residency
+from deep_optimizer_states.planning.budget import (MIN_HEADROOM_BYTES, MIN_MARGIN_BYTES, MemoryBudget,
+                                                   validate_budget)
+from deep_optimizer_states.planning.plan import Planner
+from deep_optimizer_states.reference import ReferenceAdamW
+from tests.harness import loss_of, mlp, tiny_llama
+from tests.test_perfmodel import H200_LIKE
+
+R, S, C = Placement.RESIDENT, Placement.STAGED, Placement.CPU
+GB = 10**9
+
+
+class FakeProbe:
+    """Device memory numbers set by the test."""
+
+    def __init__(self, total=80 * GB, limit=None, allocated=10 * GB, peak=20 * GB, free=None) -> None:
+        self._total, self._limit, self.alloc, self.peak_bytes = total, limit or total, allocated, peak
+        self._free = free
+
+    def total(self):
+        return self._total
+
+    def limit(self):
+        return self._limit
+
+    def allocated(self):
+        return self.alloc
+
+    def peak(self):
+        return self.peak_bytes
+
+    def free(self):
+        return self._free if self._free is not None else self._limit - self.alloc
+
+
+def _lockstep(model, opt, steps, seed=3, max_norm=None, placements=None, between=None):
+    """Train ours and the reference in lockstep without reading our states until the end (residents stay
+    resident); ``placements(step)`` may change the schedule before each step, ``between(step)`` act after it."""
+    ref = ReferenceAdamW(opt)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        if placements is not None:
+            opt.schedule = placements(step)
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        ref.step(max_norm)
+        if max_norm:
+            opt.clip_grad_norm_(max_norm)
+        opt.step()
+        if between is not None:
+            between(step)
+    return ref
+
+
+def test_all_resident_equals_adamw_and_states_stay_on_the_device():
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=4000, schedule="cpu")
+    count = len(opt.layout.subgroups)
+    opt.schedule = [R] * count
+    ref = _lockstep(model, opt, steps=6, max_norm=0.5)
+    c = opt.residents.counters
+    assert (c.admitted, c.evicted, len(opt.residents)) == (count, 0, count), "admitted once, never evicted"
+    assert opt.last_update.resident_subgroups == count and opt.last_update.h2d_bytes == 0
+    assert opt.memory()["device_resident_bytes"] == 12 * opt.layout.numel
+    ref.assert_matches()  # reading the masters evicts: the host copy is current
+    assert len(opt.residents) == 0 and opt.residents.counters.evicted == count
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_placements_changing_every_step_equal_adamw(seed):
+    """Random placements per step: a subgroup goes resident, back to the host, staged, and resident again."""
+    model = tiny_llama(seed=seed)
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, schedule="cpu")
+    count = len(opt.layout.subgroups)
+    gen = torch.Generator().manual_seed(100 + seed)
+    choice = [R, S, C]
+
+    def placements(step):
+        return [choice[int(i)] for i in torch.randint(0, 3, (count,), generator=gen)]
+
+    ref = _lockstep(model, opt, steps=8, seed=seed, max_norm=1.0 if seed else None, placements=placements)
+    assert opt.residents.counters.evicted > 0 and opt.residents.counters.admitted > count
+    ref.assert_matches()
+
+
+def test_reads_and_writes_of_host_state_between_steps_see_the_resident_values():
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=4000, schedule="cpu")
+    opt.schedule = [R] * len(opt.layout.subgroups)
+    torch_opt_model = tiny_llama()
+    torch_opt = torch.optim.AdamW(torch_opt_model.parameters(), lr=1e-2, fused=True)
+    p0, q0 = next(model.parameters()), next(torch_opt_model.parameters())
+    gen, gen_t = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+
+    def train_both():
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        loss_of(model, gen).backward()
+        loss_of(torch_opt_model, gen_t).backward()
+        opt.step()
+        torch_opt.step()
+
+    train_both()
+    train_both()
+    assert len(opt.residents) > 0
+    torch.testing.assert_close(opt.state[p0]["exp_avg"], torch_opt.state[q0]["exp_avg"], rtol=1e-6, atol=0)
+    sd = copy.deepcopy(opt.state_dict())  # a snapshot: as torch's, a state_dict holds the live tensors
+    assert len(opt.residents) == 0, "a state_dict is taken from a current host copy"
+    ref_sd = copy.deepcopy(torch_opt.state_dict())
+    for k in ref_sd["state"]:
+        torch.testing.assert_close(sd["state"][k]["exp_avg_sq"], ref_sd["state"][k]["exp_avg_sq"], rtol=1e-6, atol=0)
+    train_both()  # admitted again from the host copy
+    assert len(opt.residents) > 0
+    opt.load_state_dict(sd)  # back two steps, while resident: the loaded values win
+    torch_opt.load_state_dict(ref_sd)
+    with torch.no_grad():  # the weights too, as the model's checkpoint would
+        for p, q in zip(model.parameters(), torch_opt_model.parameters()):
+            p.copy_(q)  # an edit after the step: taken into the resident master
+    train_both()
+    train_both()
+    for p, q in zip(model.parameters(), torch_opt_model.parameters()):
+        torch.testing.assert_close(opt.master(p), q.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(opt.state[p]["exp_avg"], torch_opt.state[q]["exp_avg"], rtol=1e-5, atol=1e-8)
+
+
+def test_an_edited_weight_of_a_resident_subgroup_becomes_its_master():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=1500, schedule="cpu")
+    opt.schedule = [R] * len(opt.layout.subgroups)
+    ref = _lockstep(model, opt, steps=2)
+    weight = model[3].weight
+    with torch.no_grad():
+        weight.mul_(0.5)  # edited in place while its subgroup is resident
+    evicted = opt.residents.counters.evicted
+    ref.masters[weight].data.copy_(weight.detach())
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        ref.step()
+        opt.step()
+    assert opt.residents.counters.evicted > evicted, "the edit evicted the subgroups holding the weight"
+    ref.assert_matches()
+
+
+def test_a_failed_admission_takes_the_cpu_path_and_is_counted(monkeypatch):
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, schedule="cpu")
+    count = len(opt.layout.subgroups)
+    opt.schedule = [R] * count
+    real, calls = residency._empty_states, []
+
+    def flaky(numel, device):
+        calls.append(numel)
+        if len(calls) % 2 == 0:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(numel, device)
+
+    monkeypatch.setattr(residency, "_empty_states", flaky)
+    ref = ReferenceAdamW(opt)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        ref.step()
+        with pytest.warns(RuntimeWarning, match="not enough GPU memory to keep"):
+            opt.step()
+        assert opt.last_update.fallbacks > 0 and opt.last_update.cpu_subgroups == opt.last_update.fallbacks
+    assert opt.memory()["failed_admissions"] == opt.residents.counters.failed > 0
+    ref.assert_matches()
+
+
+def test_a_larger_forward_evicts_the_residents_before_it_runs():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=1500, schedule="cpu")
+    opt.schedule = [R] * len(opt.layout.subgroups)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        opt.step()
+    assert len(opt.residents) == len(opt.layout.subgroups)
+    with torch.no_grad():
+        model(torch.randn(16, 32))  # the training batch size: nothing happens
+        assert len(opt.residents) == len(opt.layout.subgroups)
+        model(torch.randn(64, 32))  # an evaluation batch four times larger
+    assert len(opt.residents) == 0 and opt.residents.counters.evicted == len(opt.layout.subgroups)
+    opt.release_gpu_memory()  # nothing left: fine
+    opt.zero_grad()
+    loss_of(model, gen).backward()
+    opt.step()
+    assert len(opt.residents) == len(opt.layout.subgroups), "admitted again at the next step"
+
+
+def test_no_grad_params_of_a_resident_subgroup_are_left_alone():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=100_000, schedule="cpu")
+    opt.schedule = [R] * len(opt.layout.subgroups)
+
+    def drop_grad(step):
+        return None
+
+    ref = ReferenceAdamW(opt)
+    gen = torch.Generator().manual_seed(2)
+    for step in range(4):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        if step % 2:
+            model[3].weight.grad = None
+        ref.step()
+        opt.step()
+    ref.assert_matches()
+    assert int(opt.state[model[3].weight]["step"]) == 2 and int(opt.state[model[0].weight]["step"]) == 4
+
+
+# ---- the budget -----------------------------------------------------------------------------------------
+def test_budget_values_and_errors():
+    probe = FakeProbe(total=80 * GB, limit=40 * GB)
+    default = MemoryBudget(None, probe).bytes()
+    assert default == 40 * GB - max(MIN_MARGIN_BYTES, int(0.05 * 40 * GB))
+    assert MemoryBudget(0.25, probe).bytes() == 20 * GB, "a fraction of the device"
+    assert MemoryBudget(0.75, probe).bytes() == 40 * GB, "never more than the process may allocate"
+    assert MemoryBudget(30 * GB, probe).bytes() == 30 * GB
+    for bad, match in [(0.0, r"\(0, 1\]"), (1.5, r"\(0, 1\]"), (1, "less than 1 MiB"), (-5, "less than 1 MiB"),
+                       ("40GB", "bytes"), (True, "bytes")]:
+        with pytest.raises(ValueError, match=match):
+            validate_budget(bad)
+    with pytest.raises(ValueError, match="gpu_memory_budget"):
+        DeepOptimizerStates(mlp(), gpu_memory_budget=2.0)
+
+
+def test_need_is_what_forward_and_backward_held_beside_the_residents():
+    probe = FakeProbe(total=100 * GB, peak=30 * GB)
+    b = MemoryBudget(90 * GB, probe)
+    assert b.resident_room() == 0, "nothing measured yet: no residents"
+    b.observe(resident_bytes=0)
+    assert b.need == 30 * GB
+    assert b.resident_room() == 90 * GB - 30 * GB - b.headroom()
+    b.after_update()
+    probe.peak_bytes = 70 * GB  # the next iteration held 40 GB of residents beside the same 30 GB
+    b.observe(resident_bytes=40 * GB)
+    assert b.need == 30 * GB
+    b.observe(resident_bytes=0)  # evicted for a checkpoint; the peak has not moved: the need stays
+    assert b.need == 30 * GB
+    probe.peak_bytes = 75 * GB  # a longer sequence with the residents back
+    b.observe(resident_bytes=40 * GB)
+    assert b.need == 35 * GB
+    probe.peak_bytes = 12 * GB  # the user reset the peak statistics: the need never shrinks
+    b.observe(resident_bytes=0)
+    assert b.need == 35 * GB
+    assert b.headroom() >= MIN_HEADROOM_BYTES
+
+
+def _planner(probe, sizes, budget=None, slots=2):
+    return Planner(sizes, torch.device("cpu"), slots, rates=H200_LIKE, budget=MemoryBudget(budget, probe))
+
+
+def test_auto_keeps_everything_resident_when_it_fits_and_a_prefix_when_not():
+    sizes = [25_000_000] * 40  # 1e9 params: 12 GB of resident states
+    probe = FakeProbe(total=141 * GB, allocated=5 * GB, peak=20 * GB)
+    planner = _planner(probe, sizes)
+    assert planner.plan("auto").placements.count(R) == 0, "before any measurement, nothing is resident"
+    plan = planner.refresh(0)
+    assert plan.placements == [R] * 40 and plan.prediction.resident == 40 and plan.prediction.cpu == 0
+    probe.peak_bytes = 20 * GB + 12 * GB
+    assert planner.refresh(12 * GB) is plan, "nothing changed: the same plan"
+
+    tight = FakeProbe(total=141 * GB, limit=32 * GB, allocated=5 * GB, peak=20 * GB)
+    planner = _planner(tight, sizes)
+    planner.plan("auto")
+    plan = planner.refresh(0)
+    n = plan.placements.count(R)
+    room = MemoryBudget(None, tight).bytes() - 20 * GB - MemoryBudget(None, tight).headroom()
+    transients = (16 * 2 + 8 + 4) * 25_000_000
+    assert n == (room - transients) // (12 * 25_000_000) and 0 < n < 40
+    assert plan.placements[:n] == [R] * n and R not in plan.placements[n:], "the first subgroups"
+    assert plan.prediction.seconds < _planner(tight, sizes).plan("auto").prediction.seconds
+
+
+def test_residents_shrink_when_forward_needs_more_and_return_nothing_when_none_fit():
+    sizes = [25_000_000] * 40
+    probe = FakeProbe(total=141 * GB, limit=60 * GB, allocated=5 * GB, peak=10 * GB)
+    planner = _planner(probe, sizes)
+    planner.plan("auto")
+    before = planner.refresh(0).placements.count(R)
+    probe.peak_bytes = 45 * GB + 12 * before * 25_000_000  # the model needs 35 GB more than before
+    after = planner.refresh(12 * before * 25_000_000).placements.count(R)
+    assert 0 < after < before
+    probe.peak_bytes += 100 * GB  # more than the budget: nothing stays resident
+    assert planner.refresh(12 * after * 25_000_000).placements.count(R) == 0
+
+
+def test_optimizer_auto_follows_the_budget_and_stays_exact(monkeypatch):
+    """The optimizer with a fake device memory: all resident while the model is small, fewer when the
+    measured need grows (evicted subgroups continue on the host), exact all along."""
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, schedule="cpu")
+    numel = opt.layout.numel
+    probe = FakeProbe(total=10 * GB, limit=2 * GB, allocated=GB // 10, peak=GB // 5)
+    opt.planner = Planner([sg.numel for sg in opt.layout.subgroups], opt.device, 2, rates=H200_LIKE,
+                          budget=MemoryBudget(None, probe))
+    opt.schedule = "auto"
+    count = len(opt.layout.subgroups)
+    seen = []
+
+    def grow(step):
+        seen.append(opt.placements.count(R))
+        if step == 2:  # forward + backward suddenly need all but room for two subgroups' states
+            probe.peak_bytes = (MemoryBudget(None, probe).bytes() - MemoryBudget(None, probe).headroom()
+                                - 12 * 3000 * 2 - (16 * 2 + 12) * 3000) + opt.residents.bytes()
+
+    ref = _lockstep(model, opt, steps=6, max_norm=1.0, between=grow)
+    assert seen[0] == count and seen[-1] == 2, seen
+    assert opt.residents.counters.evicted == count - 2
+    assert 12 * numel < GB
+    ref.assert_matches()
