@@ -185,10 +185,12 @@ def _worst(err: float, world: int) -> float:
 
 def _profile(args: argparse.Namespace) -> int:
     from .profile import profile
+    from .train import _gib
 
     gpu = torch.cuda.is_available()
     result = profile(args.model or ("1.36b" if gpu else "tiny"), args.iterations, args.schedule,
-                     args.micro_batch or (4 if gpu else 2), args.seq or (1024 if gpu else 128), out=args.out)
+                     args.micro_batch or (4 if gpu else 2), args.seq or (1024 if gpu else 128), out=args.out,
+                     gpu_memory_budget=_gib(args.gpu_memory_budget))
     phases = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in result["phases"].items())
     print(f"{phases}\ntimeline: {result['png']}\ntrace (Perfetto, chrome://tracing): {result['trace']}")
     return 0
@@ -380,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     loop.add_argument("--max-grad-norm", type=_nonnegative_float, default=1.0,
                       help="global gradient-norm clipping, 0 for none (default 1.0)")
     loop.add_argument("--schedule", type=_schedule, default="auto", help="optimizer schedule: auto | cpu | gpu | k")
+    loop.add_argument("--gpu-memory-budget", type=positive_float, default=None, metavar="GiB",
+                      help="GPU memory the optimizer may fill with resident states, model included "
+                           "(default: the device less a margin)")
     loop.add_argument("--subgroup-size", type=positive_int, default=None,
                       help="elements (default: 1/8 of the model, <= 25M)")
     loop.add_argument("--seed", type=nonnegative_int, default=0, help="model init and data order (default 0)")
@@ -443,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--micro-batch", type=positive_int, default=None, help="default: 4 on a GPU, else 2")
     profile.add_argument("--seq", type=positive_int, default=None, help="default: 1024 on a GPU, else 128")
     profile.add_argument("--out", default="profile", help="folder for timeline.png and trace.json")
+    profile.add_argument("--gpu-memory-budget", type=positive_float, default=None, metavar="GiB",
+                         help="GPU memory budget, model included (default: the device less a margin)")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:] or ["train"])
     if args.command == "train":
         from .train import UsageError, train as run_training

@@ -59,12 +59,12 @@ def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
 
 
 def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_batch: int = 2, seq: int = 128,
-            device: str | None = None, out: str | Path = "profile") -> dict:
+            device: str | None = None, out: str | Path = "profile", gpu_memory_budget: int | float | None = None) -> dict:
     """Train ``iterations`` iterations of the ``preset`` Llama on random tokens and write the last one's
     timeline to ``out``/timeline.png and ``out``/trace.json; returns the phases and paths."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = llama(preset, torch.bfloat16, dev)
-    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, schedule=schedule,
+    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, schedule=schedule, gpu_memory_budget=gpu_memory_budget,
                               subgroup_size=max(64, sum(p.numel() for p in model.parameters()) // 16))
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)

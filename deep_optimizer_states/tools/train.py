@@ -221,7 +221,8 @@ def train(args: argparse.Namespace) -> int:
     max_norm = args.max_grad_norm or None
     opt = DeepOptimizerStates(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                               weight_decay=args.weight_decay, subgroup_size=size, schedule=args.schedule,
-                              max_grad_norm=max_norm)
+                              max_grad_norm=max_norm,
+                              gpu_memory_budget=_gib(args.gpu_memory_budget))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, steps, warmup, args.min_lr_ratio))
     run = {"model": model_name, "hidden": hidden, "layers": layers, "vocab": vocab, "seq": seq, "micro_batch": micro,
@@ -355,3 +356,8 @@ def train(args: argparse.Namespace) -> int:
         Path(args.summary_json).write_text(json.dumps(summary, indent=1))
     opt.close()
     return 0 if math.isfinite(final_loss) else 1
+
+
+def _gib(gb: float | None) -> int | None:
+    """--gpu-memory-budget GiB as the optimizer's byte count (None: its default, the device less a margin)."""
+    return None if gb is None else int(gb * 2**30)
