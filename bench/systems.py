@@ -61,13 +61,18 @@ def ours(schedule: str) -> Callable[[str, torch.device, int], Trainer]:
 
         def extra() -> dict:
             u = opt.last_update
+            mem = opt.memory()
             info = {"pcie_h2d_GB": u.h2d_bytes / 1e9, "pcie_d2h_GB": u.d2h_bytes / 1e9,
                     "pinned_host_GB": opt.layout.numel * HOST_BYTES_PER_ELEMENT / 1e9,
-                    "staged_subgroups": u.staged_subgroups, "subgroups": len(opt.layout.subgroups),
-                    "update_s": u.seconds}
+                    "staged_subgroups": u.staged_subgroups, "resident_subgroups": u.resident_subgroups,
+                    "subgroups": len(opt.layout.subgroups), "update_s": u.seconds,
+                    "resident_GB": mem["device_resident_bytes"] / 1e9, "admitted": mem["admitted"],
+                    "evicted": mem["evicted"], "failed_admissions": mem["failed_admissions"],
+                    "gpu_budget_GB": (mem["gpu_budget_bytes"] or 0) / 1e9,
+                    "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9}
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
-            if device.type == "cuda":
+            if device.type == "cuda" and u.resident_subgroups < len(opt.layout.subgroups):
                 from deep_optimizer_states.planning.calibrate import calibrated_rates
                 from deep_optimizer_states.planning.perfmodel import lower_bound
 
