@@ -93,8 +93,12 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_ba
     out.mkdir(parents=True, exist_ok=True)
     trace = _chrome_trace(phases, blocks, clock.memory)
     (out / "trace.json").write_text(json.dumps(trace))
-    title = (f"{preset} on {dev}, schedule {schedule!r}: {opt.last_update.staged_subgroups} staged, "
-             f"{opt.last_update.cpu_subgroups} on the CPU; iteration {t_upd * 1e3:.1f} ms")
+    u = opt.last_update
+    budget = opt.memory()["gpu_budget_bytes"]
+    title = (f"{preset} on {dev}, schedule {schedule!r}"
+             + (f", GPU budget {budget / 2**30:.0f} GiB" if budget else "")
+             + f": {u.resident_subgroups} resident, {u.staged_subgroups} staged, {u.cpu_subgroups} on the CPU; "
+             f"iteration {t_upd * 1e3:.1f} ms")
     _figure(phases, blocks, clock.memory, title, out / "timeline.png")
     opt.close()
     return {"phases": {name: round(b - a, 6) for name, a, b in phases}, "png": str(out / "timeline.png"),

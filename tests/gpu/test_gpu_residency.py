@@ -74,40 +74,30 @@ def test_auto_on_a_roomy_gpu_keeps_everything_resident_and_matches():
     ref.assert_matches()
 
 
-def _train_plain(model, opt, seed: int, steps: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        opt.zero_grad()
-        x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
-        model(x).float().pow(2).mean().backward()
-        opt.step()
-    opt.zero_grad()
-
-
 def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
-    """The same training twice: all on the CPU path (exact: the other tests), then under a budget that
-    leaves room for about half of the states; the peak stays within it and the masters agree."""
+    """Under a budget that leaves room for about half of the states: the peak stays within it, and the
+    result equals torch's AdamW fed the same gradients (two separate bf16 runs would drift apart at the
+    first bf16 rounding that a 1-ulp fp32 difference flips, so the reference rides along in both runs)."""
     seed = _seed()
     model = _stack(seed)
     numel = sum(p.numel() for p in model.parameters())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     with DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="cpu", max_grad_norm=1.0) as opt:
-        _train_plain(model, opt, seed, steps=8)
+        ref = ReferenceAdamW(opt)
+        _train(model, opt, ref, seed, steps=3)  # what forward + backward + the reference take
         need = torch.cuda.max_memory_allocated()
-        expected = [opt.master(p).clone() for p in model.parameters()]
-    del model, opt
+    del model, opt, ref
     model = _stack(seed)
     update_buffers = (16 * 2 + 8 + 4) * 1_000_000  # two slots, the CPU path's and the residents' scratch
     budget = need + MIN_HEADROOM_BYTES + update_buffers + 6 * numel  # about half of the states fit
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, gpu_memory_budget=budget, max_grad_norm=1.0)
     opt.calibrate()  # once per machine, before training (its own buffers are not the budget's business)
+    ref = ReferenceAdamW(opt)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    _train_plain(model, opt, seed, steps=8)
+    _train(model, opt, ref, seed + 1, steps=8)
     places = opt.placements
     assert 0 < places.count(R) < len(places), places
     assert torch.cuda.max_memory_allocated() <= budget
-    for p, want in zip(model.parameters(), expected):  # the project's measure: relative error of each param
-        err = (opt.master(p) - want).norm() / want.norm()
-        assert err < 2e-6, f"relative error {err:.2e}: the CPU's and the GPU's kernels round alike to 1 ulp"
+    ref.assert_matches(rtol=2e-6)
