@@ -17,7 +17,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
 from tests.harness import assert_same_params, mlp, params_of
