@@ -15,7 +15,8 @@ from .core.adam import AdamHyper, check_group
 from .core.engine import Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
 from .core.layout import Layout, local
-from .core.residency import HostState, Residents
+from .core.host_state import HostState, ParamState
+from .core.residency import Residents
 from .core.ranks import cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
 from .planning.budget import CudaProbe, MemoryBudget
@@ -215,8 +216,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         that has taken a step; as in torch, a param's state is empty before its first step."""
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
-                if b.steps[i] > 0 and "step" not in (self.state.raw(p) or {}):
-                    self.state[p] = {"step": b.step_tensors[i], **self.layout.views(p)}
+                if b.steps[i] > 0 and not isinstance(self.state.raw(p), ParamState):
+                    self.state[p] = ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
+                                               lambda key, p=p: self._make_current(p),
+                                               lambda key, b=b, i=i: self._state_written(b, i, key))
                 elif b.steps[i] == 0 and p in self.state:
                     del self.state[p]
 
@@ -229,6 +232,19 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.residents.evict()
         elif id(p) in self.layout.where:
             self._evict_param(*self.layout.where[id(p)])
+
+    def _state_written(self, b, i: int, key: str) -> None:
+        """After a write into opt.state[p]: a new step count is the layout's too; new weights need nothing
+        (the master was written), except that the param must follow its master."""
+        if key == "step":
+            value = float(b.step_tensors[i])
+            if not (value >= 0 and value == int(value)):
+                raise ValueError(f"opt.state[p]['step'] must be a whole number >= 0, got {value}")
+            b.steps[i] = int(value)
+        elif key == "master":
+            with torch.no_grad():
+                local(b.params[i]).copy_(self.layout.views(b.params[i])["master"])
+            self.layout.record_writes()
 
     def _evict_param(self, bucket, i: int) -> None:
         if len(self.residents):

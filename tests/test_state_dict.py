@@ -1,12 +1,13 @@
 """Checkpoints: save mid-run and continue bit-identically; torch AdamW checkpoints load; bad ones are refused."""
 
+import copy
 import io
 
 import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates
-from tests.harness import loss_of, mlp, tiny_llama
+from tests.harness import loss_of, mlp, tiny_llama, train_and_compare
 
 
 def _train(model, opt, gen, steps):
@@ -118,3 +119,39 @@ def test_bad_state_dict_is_refused_and_nothing_changes(case):
     assert all(torch.equal(a[1], b[1]) for a, b in zip(before, _snapshot(opt)))
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert repr(opt.param_groups) == groups
+
+
+def test_frameworks_moving_state_tensors_write_into_the_host_buffers():
+    """Lightning and Accelerate move every state tensor after a load (``state[p][k] = v.to(device)``): the
+    values land in our host buffers, the views stay ours, and later state_dicts are current, not stale."""
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, schedule=2)
+    ref = train_and_compare(model, opt, steps=2)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    views = {id(p): opt.layout.views(p) for p in opt.state}
+    for p, entry in opt.state.items():  # what lightning.fabric's _optimizer_to_device does
+        for key, value in list(entry.items()):
+            if key != "step":
+                entry[key] = value.clone()  # a device move (to the CPU here: a copy)
+    for p in opt.state:
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert opt.state[p][key].data_ptr() == views[id(p)][key].data_ptr(), "still the host buffer"
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        ref.step()
+        opt.step()
+    ref.assert_matches()
+    sd = opt.state_dict()
+    for i, p in enumerate(model.parameters()):
+        assert int(sd["state"][i]["step"]) == 4
+        torch.testing.assert_close(sd["state"][i]["master_param"], ref.masters[p].detach(), rtol=1e-6, atol=1e-7)
+    p = next(model.parameters())
+    with pytest.raises(ValueError, match="shape"):
+        opt.state[p]["exp_avg"] = torch.zeros(3)
+    opt.state[p]["step"] = torch.tensor(9.0)  # a step count written is the optimizer's
+    assert opt.layout.where[id(p)][0].steps[0] == 9
+    new = opt.state[p]["master"] + 1.0
+    opt.state[p]["master"] = new  # a master written moves the param with it
+    torch.testing.assert_close(p.detach(), new)

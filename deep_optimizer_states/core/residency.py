@@ -91,37 +91,3 @@ def _empty_states(numel: int, device: torch.device) -> torch.Tensor:
     """One allocation for a subgroup's three fp32 states (a separate function: tests inject failures here)."""
     return torch.empty(3, numel, dtype=torch.float32, device=device)
 
-
-class HostState(dict):
-    """``opt.state``: per-param views into host memory. Reading an entry first makes it current: the
-    subgroups of that param are evicted (``on_read(param)``; ``on_read(None)`` for all of them)."""
-
-    def __init__(self, on_read) -> None:
-        super().__init__()
-        self._on_read = on_read
-
-    def __missing__(self, key):  # torch's optimizer state is a defaultdict(dict)
-        value = self[key] = {}
-        return value
-
-    def __getitem__(self, key):
-        if dict.__contains__(self, key):
-            self._on_read(key)
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        if dict.__contains__(self, key):
-            self._on_read(key)
-        return super().get(key, default)
-
-    def values(self):
-        self._on_read(None)
-        return super().values()
-
-    def items(self):
-        self._on_read(None)
-        return super().items()
-
-    def raw(self, key):
-        """The entry without making it current (the optimizer's own bookkeeping)."""
-        return dict.get(self, key)

@@ -1,0 +1,72 @@
+"""``opt.state``: per-param views into the optimizer's host buffers, kept truthful.
+
+torch users read ``opt.state[p]["exp_avg"]`` and frameworks write it back (Lightning and Accelerate move
+every state tensor to the model's device after a load: ``state[p][k] = state[p][k].to(device)``). Here a
+read first makes the host copy current (a resident subgroup's GPU states are evicted to it), and a write
+copies the values into the host buffer instead of replacing the view: the optimizer keeps updating the
+buffer it owns, so a state_dict never holds a stale copy and no framework parks 12 bytes per param on the
+GPU behind our back.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+class ParamState(dict):
+    """One param's state: step, exp_avg, exp_avg_sq, master. Assigning a tensor to a key that holds one
+    writes its values into the held tensor (``before_write(key)`` runs first, ``after_write(key)`` after)."""
+
+    def __init__(self, values: dict, before_write: Callable[[str], None], after_write: Callable[[str], None]) -> None:
+        super().__init__(values)
+        self._before, self._after = before_write, after_write
+
+    def __setitem__(self, key, value) -> None:
+        held = dict.get(self, key)
+        if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor) and value is not held:
+            if value.shape != held.shape:
+                raise ValueError(f"opt.state[p][{key!r}] has shape {tuple(held.shape)}; cannot assign a tensor of "
+                                 f"shape {tuple(value.shape)}")
+            self._before(key)
+            with torch.no_grad():
+                held.copy_(value)
+            self._after(key)
+            return
+        super().__setitem__(key, value)
+
+
+class HostState(dict):
+    """``opt.state``: reading an entry first makes it current (``on_read(param)``; ``on_read(None)`` for
+    all params), so a resident subgroup's states are evicted to the host before anyone sees them."""
+
+    def __init__(self, on_read: Callable[[torch.Tensor | None], None]) -> None:
+        super().__init__()
+        self._on_read = on_read
+
+    def __missing__(self, key):  # torch's optimizer state is a defaultdict(dict)
+        value = self[key] = {}
+        return value
+
+    def __getitem__(self, key):
+        if dict.__contains__(self, key):
+            self._on_read(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        if dict.__contains__(self, key):
+            self._on_read(key)
+        return super().get(key, default)
+
+    def values(self):
+        self._on_read(None)
+        return super().values()
+
+    def items(self):
+        self._on_read(None)
+        return super().items()
+
+    def raw(self, key):
+        """The entry without making it current (the optimizer's own bookkeeping)."""
+        return dict.get(self, key)
