@@ -50,10 +50,11 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
                    settings=settings)
 
 
-def ours(schedule: str) -> Callable[[str, torch.device, int], Trainer]:
+def ours(schedule: str, stream_grads: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
-        opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule)
+        opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
+                                  stream_grads=stream_grads)
 
         def step():
             opt.step()
@@ -81,7 +82,8 @@ def ours(schedule: str) -> Callable[[str, torch.device, int], Trainer]:
 
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
-                       f"DeepOptimizerStates(schedule={schedule!r}), bf16 params, fp32 masters on the host")
+                       f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}), bf16 params, "
+                       "fp32 masters on the host")
     return build
 
 
@@ -180,6 +182,7 @@ def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]
 
 SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_auto": ours("auto"),
+    "ours_auto_stream": ours("auto", stream_grads=True),
     "ours_cpu": ours("cpu"),
     "ours_gpu": ours("gpu"),
     "deepspeed_zero3_offload": deepspeed_zero3(1.0),

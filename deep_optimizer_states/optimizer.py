@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from .core import state_io
 from .core.adam import AdamHyper, check_group
 from .core.engine import Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
+from .core.grad_stream import GradStream
 from .core.layout import Layout, local
 from .core.host_state import HostState, ParamState
 from .core.residency import Residents
@@ -42,6 +44,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     no host memory, and a weight edited in place after construction (``model.load_state_dict``) becomes the
     new master. fp16 params use dynamic loss scaling: backpropagate ``opt.scale_loss(loss)``. A step whose
     gradients hold inf/nan is skipped with a warning (``nonfinite="skip"``) or raises (``"raise"``).
+
+    ``stream_grads=True`` sends the CPU path's gradients to host memory during backward, as each subgroup's
+    gradients become final, and gives their GPU memory back (those params' ``.grad`` are None after
+    backward): the GPU never holds them all at once. Run the backward of every micro-batch but the last
+    under ``with opt.accumulating():``, and clip with ``max_grad_norm``/``opt.clip_grad_norm_``, which see
+    the streamed gradients (``torch.nn.utils.clip_grad_norm_`` over the params does not).
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         nonfinite: str = "skip",
         staging_slots: int = 2,
         gpu_memory_budget: int | float | None = None,
+        stream_grads: bool = False,
         cpu_threads: int | None = None,
         device: str | torch.device | None = None,
         maximize: bool = False,
@@ -108,6 +117,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe))
         self._largest_input = 0
+        if not isinstance(stream_grads, bool):
+            raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
+        if stream_grads and self.group is not None:
+            raise ValueError("stream_grads=True is not supported under FSDP2 yet (its reduce-scatter assigns the "
+                             "sharded gradients): leave it False there")
+        self.grad_stream = (GradStream(self.layout, self.device, lambda i: self.plan.placements[i] is Placement.CPU)
+                            if stream_grads else None)
         self._hook = None
         if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
             self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
@@ -303,13 +319,34 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._scaled_since_step = True
         return loss * self.scaler.scale
 
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside are not the last micro-batch of the step (with ``stream_grads``: their
+        gradients stay on the GPU to be accumulated; without it, a no-op)."""
+        self._open()
+        with (self.grad_stream.accumulating() if self.grad_stream is not None else contextlib.nullcontext()):
+            yield
+
+    def _total_norm(self) -> torch.Tensor:
+        if self.grad_stream is None:
+            return total_norm(self.layout.grads(), self.device, self.group)
+        norms = self.grad_stream.grad_norms()
+        return torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros((), device=self.device)
+
+    def _has_grad(self) -> list[list[bool]]:
+        flags = self.layout.has_grad()
+        if self.grad_stream is None:
+            return flags
+        return [[f or self.grad_stream.had_grad(p) for f, p in zip(fs, b.params)]
+                for fs, b in zip(flags, self.layout.buckets)]
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip this step's gradients to global L2 norm ``max_norm`` (applied in ``step``); returns the norm."""
         if not (max_norm > 0 and math.isfinite(max_norm)):
             raise ValueError(f"max_norm must be a finite float > 0, got {max_norm!r}")
         self._open()
-        self._norm_cache = total_norm(self.layout.grads(), self.device, self.group)
+        self._norm_cache = self._total_norm()
         self._clip_once = float(max_norm)
         return self._norm_cache / self.scaler.scale if self.scaler is not None else self._norm_cache
 
@@ -326,31 +363,38 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.layout.check_unchanged(self.module)
         self._refuse_new_grads()
         self.layout.take_edits()
-        has_grad = self.layout.has_grad()
+        try:
+            self._step(self._has_grad())
+        finally:
+            if self.grad_stream is not None:
+                self.grad_stream.reset()
+        return loss
+
+    def _step(self, has_grad: list[list[bool]]) -> None:
         if not any(map(any, has_grad)):  # torch: nothing to do when no param has a gradient
             self._norm_cache, self._clip_once = None, None
-            return loss
+            return
         multipliers = self._grad_multipliers()
         if multipliers is None:  # inf/nan gradients: nothing updated
-            return loss
+            return
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         plan = self.planner.refresh(self.residents.bytes())
         self.residents.evict(keep={i for i, place in enumerate(plan.placements) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
+        landed = self.grad_stream.landed if self.grad_stream is not None else {}
         jobs = []
         for sg, place in zip(self.layout.subgroups, plan.placements):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
-            if runs:
-                jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
+            if runs:  # a subgroup whose gradients went down during backward takes the CPU path
+                jobs.append(Job(sg, Placement.CPU if sg.index in landed else place, hyper[sg.group_index], runs=runs))
         try:
-            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents)
+            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed)
         finally:
             self.layout.record_writes()
         self.planner.after_update()
         self.planner.observe(self.last_update)
         self.layout.advance_steps(has_grad)
         self._expose_state()
-        return loss
 
     def _refuse_new_grads(self) -> None:
         """A param frozen at construction has no host memory: refuse to silently ignore its new gradient."""
@@ -366,7 +410,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         clip = self._clip_once if self._clip_once is not None else self.max_grad_norm
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
         if raw is None:
-            raw = total_norm(self.layout.grads(), self.device, self.group)
+            raw = self._total_norm()
         finite = bool(torch.isfinite(raw))  # one device sync per step: no update is ever half applied
         norm, multipliers = raw, []
         if self.scaler is not None:
@@ -402,6 +446,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         ``clip_grad_norm_`` belongs to the gradients it measured and is dropped with them."""
         super().zero_grad(set_to_none)
         self._norm_cache, self._clip_once = None, None
+        if self.grad_stream is not None:
+            self.grad_stream.reset()
 
     def memory(self) -> dict[str, int]:
         """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), the GPU memory
@@ -431,6 +477,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if self.layout is None:
             return
         self.engine.close()
+        if self.grad_stream is not None:
+            self.grad_stream.close()
         if self._hook is not None:
             self._hook.remove()
         self.residents = Residents(self.device)  # the GPU states go with the optimizer

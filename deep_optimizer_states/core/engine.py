@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from .adam import AdamHyper, adam_update
-from .lanes import Lane, current_point
+from .lanes import Lane, Done, current_point
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
@@ -108,10 +108,12 @@ def _params_from(src: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None) 
 
 
 class _GradFeed:
-    """Sends CPU subgroups' gradients down (up-cast on the GPU), GRAD_LOOKAHEAD ahead of the CPU."""
+    """Sends CPU subgroups' gradients down (up-cast on the GPU), GRAD_LOOKAHEAD ahead of the CPU; those that
+    were streamed down during backward (``landed``: subgroup index -> event) are not sent again."""
 
-    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers) -> None:
+    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers, landed: dict) -> None:
         self.lane, self.jobs, self.scratch, self.multipliers = lane, jobs, scratch, multipliers
+        self.streamed = landed
         self.events: list = []
         for _ in range(GRAD_LOOKAHEAD):
             self._send()
@@ -119,6 +121,9 @@ class _GradFeed:
     def _send(self) -> None:
         if len(self.events) < len(self.jobs):
             sg = self.jobs[len(self.events)].subgroup
+            if sg.index in self.streamed:
+                self.events.append(self.streamed[sg.index] or Done())
+                return
             with self.lane.run(f"sg{sg.index}"):
                 _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers)
             self.events.append(self.lane.record())
@@ -150,11 +155,13 @@ class Engine:
             self._worker = None
 
     def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = 2,
-               residents: Residents | None = None) -> UpdateStats:
+               residents: Residents | None = None, landed: dict | None = None) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and states are all updated (a resident
-        subgroup's states on the GPU, the others' on the host)."""
-        if residents is None:
-            residents = Residents(self.device)
+        subgroup's states on the GPU, the others' on the host). ``landed``: CPU subgroups whose unscaled fp32
+        gradients were streamed to the host during backward (subgroup index -> event); the multipliers are
+        applied to them on the host."""
+        residents = residents if residents is not None else Residents(self.device)
+        landed = landed or {}
         if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -167,11 +174,13 @@ class Engine:
             lane.wait(ready)
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
-        jobs, slots, down, up, grads = self._buffers(jobs, max_slots)
-        feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers)
+        jobs, slots, down, up, grads = self._buffers(jobs, max_slots, landed)
+        feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers, landed)
+        on_host = [m.to("cpu") for m in multipliers] if landed else []
         pending: list[Future] = []
         try:
-            pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up) for i, job in enumerate(feed.jobs)]
+            pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
+                       for i, job in enumerate(feed.jobs)]
             for job in (j for j in jobs if j.placement is Placement.RESIDENT):
                 self._update_resident(job, residents, job.subgroup.index in fresh, grads, multipliers)
             for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
@@ -215,7 +224,7 @@ class Engine:
         blocks += [("cpu_adam", a - start, b - start, label) for a, b, label in self._cpu_spans]
         return [{"lane": lane, "start": a, "end": b, "label": label} for lane, a, b, label in blocks]
 
-    def _buffers(self, jobs: list[Job], count: int):
+    def _buffers(self, jobs: list[Job], count: int, landed: dict):
         """Staging slots, the CPU path's scratch and the residents' fp32 gradient buffer; staged jobs fall
         back to the CPU without memory for their slots."""
         staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED]
@@ -230,9 +239,10 @@ class Engine:
                 jobs = [dataclasses.replace(j, placement=Placement.CPU) if j.placement is Placement.STAGED else j
                         for j in jobs]
         on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
-        need = self.device.type == "cuda" and on_cpu
-        down = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
-        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if need else None
+        to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
+        cuda = self.device.type == "cuda"
+        down = torch.empty(max(to_send), dtype=FP32, device=self.device) if cuda and to_send else None
+        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu else None
         resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
         return jobs, slots, down, up, grads
@@ -245,10 +255,13 @@ class Engine:
         return done
 
     @torch.no_grad()  # runs in the CPU worker thread, where the caller's no_grad does not reach
-    def _update_on_cpu(self, job: Job, index: int, feed: "_GradFeed", scratch) -> None:
+    def _update_on_cpu(self, job: Job, index: int, feed: "_GradFeed", scratch, on_host: list) -> None:
         sg = job.subgroup
         feed.landed(index).synchronize()
         t0 = time.perf_counter()
+        if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies, here
+            for m in on_host:
+                sg.grad32.mul_(m)
         job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
         t1 = time.perf_counter()
         self._cpu_adam_seconds += t1 - t0

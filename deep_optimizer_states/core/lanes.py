@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 
-class _Done:
+class Done:
     """An event that has already happened (CPU lanes run synchronously)."""
 
     def synchronize(self) -> None:
@@ -63,7 +63,7 @@ class Lane:
     def record(self, timing: bool = False):
         """An event that completes when all work enqueued on this lane so far has completed."""
         if self.stream is None:
-            return _Done()
+            return Done()
         return self.stream.record_event(torch.cuda.Event(enable_timing=True) if timing else None)
 
     def wait(self, event) -> None:

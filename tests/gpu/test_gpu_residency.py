@@ -3,6 +3,7 @@
 Run on the GPU machine: ``python3 -m pytest -m gpu tests/gpu``. Seeds come from the OS and are printed.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -101,3 +102,29 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     assert 0 < places.count(R) < len(places), places
     assert torch.cuda.max_memory_allocated() <= budget
     ref.assert_matches(rtol=2e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 3, "auto"], ids=str)
+def test_streamed_gradients_equal_the_gathered_ones_bit_for_bit(schedule):
+    """stream_grads sends the CPU path's gradients down during backward on a side stream and multiplies
+    them on the host: the same fp32 operations as gathering them at the step, so the runs agree exactly."""
+    seed = _seed()
+    runs = []
+    for stream in (True, False):
+        model = _stack(seed)
+        opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule=schedule, max_grad_norm=0.01,
+                                  stream_grads=stream)
+        gen = torch.Generator().manual_seed(seed)
+        for step in range(6):
+            opt.zero_grad()
+            for k in range(2):
+                x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
+                with opt.accumulating() if k == 0 else contextlib.nullcontext():
+                    (model(x).float().pow(2).mean() / 2).backward()
+            if stream and R not in opt.placements:
+                assert any(p.grad is None for p in model.parameters()), "the CPU path's gradients left the GPU"
+            opt.step()
+        runs.append([opt.master(p).clone() for p in model.parameters()])
+        opt.close()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)

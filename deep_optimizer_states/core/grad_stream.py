@@ -1,0 +1,123 @@
+"""Gradients that leave the GPU during backward: the CPU path's gradients streamed to host memory.
+
+With ``stream_grads=True`` a post-accumulate-grad hook on every param notes when its gradient is final (the
+backward of the last micro-batch: non-final ones run under ``opt.accumulating()``). Once every param piece
+of a CPU-placed subgroup is final, the subgroup's gradients are gathered and up-cast into one fp32 GPU
+buffer on a side stream and copied down into its pinned ``grad32`` while backward goes on; a param whose
+subgroups are all on their way gives its gradient back to the allocator (``p.grad = None``, the memory
+kept for the side stream until its copy has run). So the GPU never holds the CPU path's gradients all at
+once. Each final gradient's L2 norm is taken as it lands, in fp32, so the global norm (clipping, the
+inf/nan check) is ready when backward ends; the clip and unscale factors are applied to the landed fp32
+gradients on the host, the same IEEE multiplies the GPU path does. Staged and resident subgroups keep
+their gradients on the GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+from .layout import Layout, Subgroup, local
+
+
+class GradStream:
+    """Per step: which subgroups' gradients have landed on the host, and the norms of final gradients."""
+
+    def __init__(self, layout: Layout, device: torch.device, is_cpu_placed: Callable[[int], bool]) -> None:
+        self.layout, self.device, self.is_cpu_placed = layout, device, is_cpu_placed
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.final = True  # False inside opt.accumulating(): this backward is not the last micro-batch
+        self._subgroups_of = {id(p): layout.subgroups_of(b, i) for b in layout.buckets for i, p in enumerate(b.params)}
+        self._pieces = {sg.index: len(sg.pieces) for sg in layout.subgroups}
+        self._buffer: torch.Tensor | None = None
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
+                         for b in layout.buckets for p in b.params]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget this step's gradients (after the step, or at zero_grad)."""
+        self.waiting = dict(self._pieces)  # per subgroup: params whose final gradient has not come
+        self.landed: dict[int, object] = {}  # subgroup index -> event: its fp32 gradients are on the host
+        self.norms: dict[int, torch.Tensor] = {}  # id(param) -> L2 norm of its final gradient (fp32)
+        self.taken: set[int] = set()  # id(param): gradient given back after its subgroups went down
+        self._buffer = None
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @contextlib.contextmanager
+    def accumulating(self) -> Iterator[None]:
+        """Backward passes inside are not the last micro-batch of the step: their gradients stay."""
+        before, self.final = self.final, False
+        try:
+            yield
+        finally:
+            self.final = before
+
+    @torch.no_grad()
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.final or p.grad is None or id(p) in self.taken:
+            return
+        g = local(p.grad)
+        self.norms[id(p)] = _norm(g)
+        done = []
+        for sg in self._subgroups_of[id(p)]:
+            self.waiting[sg.index] -= 1
+            if self.waiting[sg.index] == 0 and self.is_cpu_placed(sg.index):
+                done.append(sg)
+        for sg in done:
+            self._send(sg)
+        for q in {id(q): q for sg in done for q in (sg.bucket.params[pc.i] for pc in sg.pieces)}.values():
+            self._give_back(q)
+        self._give_back(p)
+
+    def _give_back(self, p: torch.Tensor) -> None:
+        """Free ``p``'s gradient once it is final and every subgroup holding it has gone down."""
+        if id(p) in self.taken or id(p) not in self.norms or p.grad is None:
+            return
+        if all(sg.index in self.landed for sg in self._subgroups_of[id(p)]):
+            if self.stream is not None:
+                local(p.grad).record_stream(self.stream)  # not reused before the copy has read it
+            p.grad = None
+            self.taken.add(id(p))
+
+    def _send(self, sg: Subgroup) -> None:
+        """Gather and up-cast the subgroup's gradients on the side stream, then copy them to its grad32."""
+        if self.stream is None:
+            sg.gather_grads(sg.grad32)
+            self.landed[sg.index] = None
+            return
+        biggest = max(s.numel for s in self.layout.subgroups)
+        if self._buffer is None:  # one buffer: uses follow each other on the one side stream
+            with torch.cuda.stream(self.stream):
+                self._buffer = torch.empty(biggest, dtype=torch.float32, device=self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are computed
+        with torch.cuda.stream(self.stream):
+            work = self._buffer[: sg.numel]
+            sg.gather_grads(work)
+            sg.grad32.copy_(work, non_blocking=True)
+            self.landed[sg.index] = self.stream.record_event()
+
+    def had_grad(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` had a final gradient this step (also once it was given back)."""
+        return id(p) in self.taken or p.grad is not None
+
+    def grad_norms(self) -> list[torch.Tensor]:
+        """The L2 norm of every param's gradient this step, in layout order: taken as it landed, or now."""
+        out = []
+        for b in self.layout.buckets:
+            for p in b.params:
+                if id(p) in self.taken:
+                    out.append(self.norms[id(p)])
+                elif p.grad is not None:  # still here: read now (a caller may have changed it since)
+                    out.append(_norm(local(p.grad)))
+        return out
+
+
+def _norm(g: torch.Tensor) -> torch.Tensor:
+    """The L2 norm in fp32 by the kernel ``grad_scaling.total_norm`` uses, so both paths clip alike."""
+    return torch._foreach_norm([g], 2, dtype=torch.float32)[0]

@@ -1,0 +1,138 @@
+"""Gradients streamed to the host during backward (``stream_grads=True``), on the CPU.
+
+The streamed path must give exactly what the path that gathers gradients at the step gives (which the
+other tests hold to torch's AdamW): the same fp32 values, the same multiplies (unscale, clip) in the same
+order, so the two runs are compared bit for bit, step by step, on fresh random data. Also: the CPU path's
+gradients really leave (``.grad`` is None after backward), accumulation keeps non-final micro-batches on
+the device, and clipping, an injected overflow, a module used twice and an unused param come out the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from tests.harness import loss_of, mlp, tiny_llama
+
+
+def _pair(model: nn.Module, **kwargs):
+    twin = copy.deepcopy(model)
+    return (model, DeepOptimizerStates(model, stream_grads=True, **kwargs)), (twin, DeepOptimizerStates(twin, **kwargs))
+
+
+def _lockstep(make, steps=5, micro=1, seed=0, max_norm=None, check=None, **kwargs):
+    (m1, o1), (m2, o2) = _pair(make(), **kwargs)
+    gen1, gen2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        for o in (o1, o2):
+            o.zero_grad()
+        for k in range(micro):
+            with o1.accumulating() if k < micro - 1 else contextlib.nullcontext():
+                (loss_of(m1, gen1) / micro).backward()
+            (loss_of(m2, gen2) / micro).backward()
+        if check:
+            check(m1, o1)
+        if max_norm:
+            n1, n2 = o1.clip_grad_norm_(max_norm), o2.clip_grad_norm_(max_norm)
+            torch.testing.assert_close(n1, n2, rtol=1e-6, atol=0)
+        o1.step()
+        o2.step()
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(o1.master(p1), o2.master(p2)), f"step {step}: masters differ"
+            assert torch.equal(p1, p2)
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(o1.state[p1]["exp_avg_sq"], o2.state[p2]["exp_avg_sq"])
+    return o1, o2
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 2, "gpu"], ids=str)
+def test_streamed_gradients_give_the_same_steps_bit_for_bit(schedule):
+    def grads_left(model, opt):
+        for sg, place in zip(opt.layout.subgroups, opt.placements):
+            assert (sg.index in opt.grad_stream.landed) == (place is Placement.CPU)
+        cpu_only = {id(p) for b in opt.layout.buckets for i, p in enumerate(b.params)
+                    if all(opt.placements[sg.index] is Placement.CPU for sg in opt.layout.subgroups_of(b, i))}
+        for p in model.parameters():
+            assert (p.grad is None) == (id(p) in cpu_only), "the CPU path's gradients left; the others stayed"
+
+    _lockstep(tiny_llama, schedule=schedule, subgroup_size=3000, lr=1e-2, check=grads_left)
+
+
+def test_with_clipping_and_accumulation_over_three_micro_batches():
+    kept = []
+
+    def check(model, opt):
+        kept.append(len(opt.grad_stream.landed))
+
+    o1, _ = _lockstep(tiny_llama, micro=3, max_norm=0.3, schedule=2, subgroup_size=3000, lr=1e-2, check=check)
+    assert all(n == o1.placements.count(Placement.CPU) for n in kept), "only the final micro-batch streams"
+    _lockstep(tiny_llama, micro=2, schedule="cpu", subgroup_size=5000, lr=1e-2, max_grad_norm=0.5)
+
+
+def test_non_final_micro_batches_keep_their_gradients():
+    model = mlp()
+    opt = DeepOptimizerStates(model, stream_grads=True, schedule="cpu", subgroup_size=2000)
+    gen = torch.Generator().manual_seed(0)
+    with opt.accumulating():
+        loss_of(model, gen).backward()
+    assert all(p.grad is not None for p in model.parameters()) and not opt.grad_stream.landed
+    loss_of(model, gen).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert len(opt.grad_stream.landed) == len(opt.layout.subgroups)
+    opt.zero_grad()
+    assert not opt.grad_stream.landed, "zero_grad forgets what was streamed"
+
+
+def test_an_injected_overflow_is_skipped_and_the_next_steps_agree():
+    (m1, o1), (m2, o2) = _pair(mlp(torch.float16), schedule=2, subgroup_size=2000, lr=1e-3, loss_scale=1024.0)
+    gen1, gen2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(4):
+        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
+            o.zero_grad()
+            loss = loss_of(m, gen)
+            if step == 1:
+                loss = loss * float("inf")
+            o.scale_loss(loss).backward()
+        o1.step()  # step 1: an fp16 overflow, skipped quietly while the scale backs off
+        o2.step()
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(o1.master(p1), o2.master(p2))
+    assert o1.scaler.scale == o2.scaler.scale < 1024.0
+
+
+def test_a_module_used_twice_and_a_param_without_a_gradient():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.unused = nn.Linear(32, 32), nn.Linear(32, 8), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(torch.tanh(self.a(torch.tanh(self.a(x)))))
+
+    def loss_twice(model, gen):
+        x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+        return (model(x) - y).pow(2).mean()
+
+    model = Twice()
+    (m1, o1), (m2, o2) = _pair(model, schedule="cpu", subgroup_size=300, lr=1e-2, max_grad_norm=0.1)
+    gen1, gen2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for _ in range(4):
+        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
+            o.zero_grad()
+            loss_twice(m, gen).backward()
+            o.step()
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(o1.master(p1), o2.master(p2))
+    assert "step" not in o1.state[m1.unused.weight], "a param without a gradient is left alone, as torch does"
+    assert int(o1.state[m1.a.weight]["step"]) == 4
+
+
+def test_stream_grads_must_be_a_bool():
+    with pytest.raises(ValueError, match="stream_grads"):
+        DeepOptimizerStates(mlp(), stream_grads="yes")
