@@ -105,6 +105,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.device = self._check_params(device)
         trainable = self._trainable()
         self.group = shard_group([p for params, _ in trainable for p in params])
+        if not isinstance(stream_grads, bool):
+            raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
+        if stream_grads and self.group is not None:
+            raise ValueError("stream_grads=True is not supported under FSDP2 yet (its reduce-scatter assigns the "
+                             "sharded gradients): leave it False there")
         threads = cpu_threads_per_rank(cpu_threads)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -115,13 +120,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.residents = Residents(self.device)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
-                               budget=MemoryBudget(gpu_memory_budget, probe))
+                               budget=MemoryBudget(gpu_memory_budget, probe),
+                               provisional="cpu" if stream_grads else "auto")
         self._largest_input = 0
-        if not isinstance(stream_grads, bool):
-            raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
-        if stream_grads and self.group is not None:
-            raise ValueError("stream_grads=True is not supported under FSDP2 yet (its reduce-scatter assigns the "
-                             "sharded gradients): leave it False there")
         self.grad_stream = (GradStream(self.layout, self.device, lambda i: self.plan.placements[i] is Placement.CPU)
                             if stream_grads else None)
         self._hook = None

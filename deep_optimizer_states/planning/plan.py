@@ -53,8 +53,11 @@ class Planner:
     the link, and the link's beside the CPU."""
 
     def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None,
-                 budget: MemoryBudget | None = None) -> None:
+                 budget: MemoryBudget | None = None, provisional: Schedule = "auto") -> None:
+        """``provisional``: the fixed schedule "auto" runs until calibration ("cpu" when gradients are
+        streamed off the GPU: the first backward then keeps none of them there)."""
         self.sizes, self.device, self.max_slots = sizes, device, max_slots
+        self.provisional = validate_schedule(provisional)
         if budget is None:
             gpu = device.type == "cuda" and torch.cuda.is_available()
             budget = MemoryBudget(None, CudaProbe(device) if gpu else None)
@@ -156,7 +159,7 @@ class Planner:
                 if self._calibrated is None:
                     self._calibrated = self._stored()
                 if self._calibrated is None:
-                    tail, pending = placements("auto", rest), True
+                    tail, pending = placements(self.provisional, rest), True
                 else:
                     tail = choose(self.sizes[self._want:], self.rates, slots)[0]
             places = [Placement.RESIDENT] * self._want + tail
