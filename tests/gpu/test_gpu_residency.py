@@ -104,16 +104,20 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     ref.assert_matches(rtol=2e-6)
 
 
-@pytest.mark.parametrize("schedule", ["cpu", 3, "auto"], ids=str)
+@pytest.mark.parametrize("schedule", ["cpu", 3, "mixed"], ids=str)
 def test_streamed_gradients_equal_the_gathered_ones_bit_for_bit(schedule):
     """stream_grads sends the CPU path's gradients down during backward on a side stream and multiplies
-    them on the host: the same fp32 operations as gathering them at the step, so the runs agree exactly."""
+    them on the host: the same fp32 operations as gathering them at the step, so the runs agree exactly.
+    (Under "auto" the two runs would plan differently, and a subgroup's kernel, the CPU's or the GPU's,
+    decides its last ulp: fixed placements here, with residents in the mix.)"""
     seed = _seed()
     runs = []
     for stream in (True, False):
         model = _stack(seed)
-        opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule=schedule, max_grad_norm=0.01,
-                                  stream_grads=stream)
+        opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="cpu" if schedule == "mixed"
+                                  else schedule, max_grad_norm=0.01, stream_grads=stream)
+        if schedule == "mixed":
+            opt.schedule = [(R, S, C)[i % 3] for i in range(len(opt.layout.subgroups))]
         gen = torch.Generator().manual_seed(seed)
         for step in range(6):
             opt.zero_grad()
