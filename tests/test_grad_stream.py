@@ -136,3 +136,28 @@ def test_a_module_used_twice_and_a_param_without_a_gradient():
 def test_stream_grads_must_be_a_bool():
     with pytest.raises(ValueError, match="stream_grads"):
         DeepOptimizerStates(mlp(), stream_grads="yes")
+
+
+def test_a_second_final_backward_without_accumulating_is_refused():
+    """Streamed gradients would be lost to a second backward that is not under opt.accumulating()."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, stream_grads=True, schedule="cpu", subgroup_size=2000)
+    gen = torch.Generator().manual_seed(0)
+    loss_of(model, gen).backward()
+    with pytest.raises(RuntimeError, match="accumulating"):
+        loss_of(model, gen).backward()
+    opt.zero_grad()
+    loss_of(model, gen).backward()  # after zero_grad: a new step's gradients
+    opt.step()
+    loss_of(model, gen).backward()  # after a step too
+    opt.step()
+
+
+def test_the_hugging_face_trainer_refuses_stream_grads():
+    from transformers import TrainingArguments
+
+    from deep_optimizer_states.integrations.hf import optimizer_kwargs
+
+    args = TrainingArguments(output_dir="/tmp/unused", report_to=[])
+    with pytest.raises(ValueError, match="stream_grads"):
+        optimizer_kwargs(args, stream_grads=True)

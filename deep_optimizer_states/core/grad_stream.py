@@ -60,8 +60,12 @@ class GradStream:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.final or p.grad is None or id(p) in self.taken:
+        if not self.final or p.grad is None:
             return
+        if id(p) in self.norms:
+            raise RuntimeError("a second backward reached gradients that stream_grads has already treated as final "
+                               "(the first one's may have left the GPU): run the backward of every micro-batch but "
+                               "the last under `with opt.accumulating():`, or call opt.zero_grad() between steps")
         g = local(p.grad)
         self.norms[id(p)] = _norm(g)
         done = []

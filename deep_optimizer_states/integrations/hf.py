@@ -59,6 +59,9 @@ def optimizer_kwargs(args: TrainingArguments, **overrides: Any) -> dict[str, Any
     }
     if "params" in overrides or "model" in overrides:
         raise TypeError("the Trainer gives the params: do not pass params/model in the optimizer's kwargs")
+    if overrides.get("stream_grads"):
+        raise ValueError("stream_grads=True is not supported under the Trainer: it accumulates and clips through "
+                         "the params' .grad, which streamed gradients leave empty. Leave stream_grads out")
     if overrides.get("max_grad_norm") is not None and args.max_grad_norm:
         raise ValueError(f"the Trainer already clips gradients to args.max_grad_norm={args.max_grad_norm}; passing "
                          "max_grad_norm to the optimizer would clip twice. Drop it, or set args.max_grad_norm=0 "
