@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
@@ -87,56 +86,29 @@ def _int_at_least(lowest: int):
 positive_int, nonnegative_int = _int_at_least(1), _int_at_least(0)
 
 
-def _distributed(device: torch.device) -> tuple[torch.device, int, int]:
-    """Under torchrun (WORLD_SIZE > 1): join the process group (NCCL on GPUs, gloo on the CPU) and take
-    this rank's GPU; returns (device, rank, world size)."""
-    import torch.distributed as dist
-
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return device, 0, 1
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return device, dist.get_rank(), dist.get_world_size()
-
-
-def _shard(model: torch.nn.Module) -> torch.nn.Module:
-    """FSDP2: each decoder layer, then the root, sharded over every rank."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.model.layers:
-        fully_shard(layer)
-    return fully_shard(model)
-
-
 def _check(args: argparse.Namespace) -> int:
     """Train a Llama-style model on random tokens, checking every step against torch's AdamW. Under torchrun
     the model is sharded with FSDP2 and each rank trains its own batches (the check then runs per shard)."""
+    from .distributed import join, leave
+
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    device, rank, world = _distributed(device)
+    device, rank, world = join(device)
     if world == 1:
         return _check_loop(args, device, rank, world)
-    rc = _check_loop(args, device, rank, world)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    # The check is done and reported: leave without interpreter teardown, where a gloo process now and then
-    # aborts in C++ static destructors ("terminate called without an active exception") and turns a passed
-    # check into a failed exit status.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(rc)
+    leave(_check_loop(args, device, rank, world))
+    return 1  # not reached
 
 
 def _check_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
     from ..optimizer import DeepOptimizerStates
+    from .distributed import shard
     from ..reference import ReferenceAdamW
     from .models import llama
 
     model = llama(args.model, torch.bfloat16, device)
     numel = sum(p.numel() for p in model.parameters())
     if world > 1:
-        model = _shard(model)
+        model = shard(model)
     size = args.subgroup_size or max(SMALLEST_SUBGROUP, min(25_000_000, math.ceil(numel / 8)))
     opt = DeepOptimizerStates(model, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
                               schedule=args.schedule, max_grad_norm=1.0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -166,16 +165,31 @@ _CURVE_KEYS = ("model", "hidden", "layers", "vocab", "seq", "micro_batch", "accu
 
 
 def train(args: argparse.Namespace) -> int:
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise UsageError("dos train runs in one process; under torchrun use `dos check` (the FSDP2 self-check)")
-    from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-    from ..optimizer import DeepOptimizerStates
-    from .data import load_text_data
-    from .models import PRESETS
+    """`dos train`; under torchrun, data-parallel over the ranks with the model sharded by FSDP2 (each rank
+    its own micro-batches, our optimizer on each rank's shards)."""
+    from .distributed import join, leave, world_size
 
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device here")
+    if world_size() == 1:
+        return _train(args, device, 0, 1)
+    if args.checkpoint_dir:
+        raise UsageError("--checkpoint-dir under torchrun is not supported yet (dos train's checkpoints are "
+                         "single-process; the optimizer's state_dict itself works with torch.distributed.checkpoint)")
+    device, rank, world = join(device)
+    leave(_train(args, device, rank, world))
+    return 1  # not reached
+
+
+def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
+    from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+    from ..optimizer import DeepOptimizerStates
+    from .data import load_text_data
+    from .distributed import mean_over_ranks, shard
+    from .models import PRESETS
+
+    say = _log if rank == 0 else (lambda *a, **k: None)
     cuda = device.type == "cuda"
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "fp32": torch.float32,
              "bf16": torch.bfloat16}[args.dtype]
@@ -214,6 +228,8 @@ def train(args: argparse.Namespace) -> int:
     model = model.to(device, dtype)
     model.train()
     numel = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        model = shard(model)
 
     steps, accum = args.steps, args.accum
     warmup = args.warmup if args.warmup is not None else min(100, steps // 10)
@@ -235,7 +251,7 @@ def train(args: argparse.Namespace) -> int:
     if args.resume:
         path = latest_checkpoint(args.checkpoint_dir)
         if path is None:
-            _log(f"--resume: no checkpoint in {args.checkpoint_dir} yet; starting at step 0")
+            say(f"--resume: no checkpoint in {args.checkpoint_dir} yet; starting at step 0")
         else:
             try:
                 extra = load_checkpoint(path, model, opt)
@@ -247,30 +263,32 @@ def train(args: argparse.Namespace) -> int:
                 raise UsageError(f"--resume: {path} was saved by a different run (" + "; ".join(differ)
                                  + "); use the same options or another --checkpoint-dir")
             if saved.get("steps") != steps:
-                _log(f"note: the LR schedule now spans {steps} steps (the checkpoint's run: {saved.get('steps')}); "
+                say(f"note: the LR schedule now spans {steps} steps (the checkpoint's run: {saved.get('steps')}); "
                      "the curve from here on differs from that run's")
             sched.load_state_dict(extra["lr_scheduler"])
             start = int(extra["step"])
             torch.set_rng_state(extra["rng"]["torch"])
             if cuda and extra["rng"].get("cuda") is not None:
                 torch.cuda.set_rng_state(extra["rng"]["cuda"], device)
-            _log(f"resumed from {path} at step {start}")
+            say(f"resumed from {path} at step {start}")
     if start >= steps:
         raise UsageError(f"--steps {steps}: the checkpoint is already at step {start}; ask for more steps")
 
     places = opt.placements
-    _log(f"model {model_name}: hidden {hidden}, {layers} layers, vocab {vocab}, {numel / 1e6:.2f}M params, {dtype} "
-         f"on {device}; {len(places)} subgroups, schedule {args.schedule!r}")
-    _log(f"data: {data.description}; {len(data.train):,} training tokens, {len(data.held_out):,} held out")
-    _log(f"steps {start + 1}-{steps}: {micro} x {seq} tokens x {accum} accumulated per step, lr {args.lr:g} "
-         f"(warm-up {warmup}, cosine to {args.min_lr_ratio:g}x), max grad norm {max_norm}")
+    ranks = f", FSDP2 over {world} ranks ({len(places)} subgroups per rank)" if world > 1 else f"; {len(places)} subgroups"
+    say(f"model {model_name}: hidden {hidden}, {layers} layers, vocab {vocab}, {numel / 1e6:.2f}M params, {dtype} "
+        f"on {device}{ranks}, schedule {args.schedule!r}")
+    say(f"data: {data.description}; {len(data.train):,} training tokens, {len(data.held_out):,} held out")
+    say(f"steps {start + 1}-{steps}: {micro} x {seq} tokens x {accum} accumulated" + (f" x {world} ranks" if world > 1
+        else "") + f" per step, lr {args.lr:g} (warm-up {warmup}, cosine to {args.min_lr_ratio:g}x), max grad norm "
+        f"{max_norm}")
 
     # ---- loop ---------------------------------------------------------------------------------------------
     eval_batches = data.eval_batches(args.eval_batches)
     timer = PhaseTimer(device)
     losses: list[list] = []
     evals: list[list] = []
-    tokens_per_step = micro * seq * accum
+    tokens_per_step = micro * seq * accum * world
     checkpoints: list[str] = []
 
     def save(step: int) -> None:
@@ -281,7 +299,7 @@ def train(args: argparse.Namespace) -> int:
 
     try:
         from tqdm import tqdm
-        bar = None if args.no_progress else tqdm(total=steps, initial=start, desc="train", unit="step",
+        bar = None if args.no_progress or rank else tqdm(total=steps, initial=start, desc="train", unit="step",
                                                   dynamic_ncols=True)
     except ImportError:
         bar = None
@@ -290,7 +308,7 @@ def train(args: argparse.Namespace) -> int:
         total = 0.0
         timer.start()
         for m in range(accum):
-            loss = _loss(model, data.batch(step, m), device)
+            loss = _loss(model, data.batch(step, m * world + rank), device)  # each rank its own
             timer.lap("forward")
             opt.scale_loss(loss / accum).backward()
             total += loss.item()
@@ -299,10 +317,10 @@ def train(args: argparse.Namespace) -> int:
         opt.zero_grad()
         sched.step()
         timer.lap("update")
-        loss_value = total / accum
+        loss_value = mean_over_ranks(total / accum, world)
         losses.append([step, loss_value])
         if not math.isfinite(loss_value):
-            _log(f"step {step}: loss is {loss_value}; stopping")
+            say(f"step {step}: loss is {loss_value}; stopping")
             break
         if bar is not None:
             split = timer.split()
@@ -310,12 +328,12 @@ def train(args: argparse.Namespace) -> int:
                                 f"fwd/bwd/upd {split['forward']:.0%}/{split['backward']:.0%}/{split['update']:.0%}",
                                 refresh=False)
             bar.update(1)
-        elif step % max(1, steps // 20) == 0 or step == start + 1:
+        elif rank == 0 and (step % max(1, steps // 20) == 0 or step == start + 1):
             print(f"step {step:5d}  loss {loss_value:.4f}  {tokens_per_step * len(losses) / timer.seconds():,.0f} "
                   f"tokens/s", flush=True)
         if args.eval_every and step % args.eval_every == 0 and step != steps:
-            evals.append([step, evaluate(model, eval_batches, device)])
-            _log(f"step {step}: train loss {loss_value:.4f}, eval loss {evals[-1][1]:.4f}, "
+            evals.append([step, mean_over_ranks(evaluate(model, eval_batches, device), world)])
+            say(f"step {step}: train loss {loss_value:.4f}, eval loss {evals[-1][1]:.4f}, "
                  f"lr {sched.get_last_lr()[0]:.2e}")
         if args.checkpoint_dir and args.checkpoint_every and step % args.checkpoint_every == 0:
             save(step)
@@ -325,7 +343,7 @@ def train(args: argparse.Namespace) -> int:
     if (args.checkpoint_dir and losses and math.isfinite(losses[-1][1])
             and (not checkpoints or not checkpoints[-1].endswith(f"step-{last:09d}"))):
         save(last)
-    eval_loss = evaluate(model, eval_batches, device)
+    eval_loss = mean_over_ranks(evaluate(model, eval_batches, device), world)
     evals.append([last, eval_loss])
 
     # ---- summary ------------------------------------------------------------------------------------------
@@ -334,22 +352,22 @@ def train(args: argparse.Namespace) -> int:
     split = timer.split()
     first_loss = losses[0][1] if losses else float("nan")
     final_loss = losses[-1][1] if losses else float("nan")
-    print(f"done: steps {start + 1}-{last} in {seconds:.1f} s; train loss {first_loss:.4f} -> {final_loss:.4f}, "
+    say(f"done: steps {start + 1}-{last} in {seconds:.1f} s; train loss {first_loss:.4f} -> {final_loss:.4f}, "
           f"eval loss {eval_loss:.4f}; {tok_s:,.0f} tokens/s; time: forward {split['forward']:.0%}, backward "
-          f"{split['backward']:.0%}, update {split['update']:.0%}", flush=True)
+        f"{split['backward']:.0%}, update {split['update']:.0%}")
     if checkpoints:
-        print(f"checkpoint: {checkpoints[-1]}")
+        say(f"checkpoint: {checkpoints[-1]}")
     sample = None
     if args.sample_tokens:
         prompt_ids = data.encode(args.prompt)
         if not prompt_ids:
             prompt_ids = [0]
-        out = generate(model, prompt_ids, args.sample_tokens, seq, device, args.top_k, args.seed)
+        out = generate(model, prompt_ids, args.sample_tokens, seq, device, args.top_k, args.seed)  # on every rank
         sample = data.decode(prompt_ids + out)
         how = "greedy" if args.top_k <= 1 else f"top-{args.top_k} sampling"
-        print(f"sample ({how}, {args.sample_tokens} tokens from {args.prompt!r}):\n{sample}\n", flush=True)
-    if args.summary_json:
-        summary = {"run": run, "device": str(device), "params": numel, "start_step": start, "last_step": last,
+        say(f"sample ({how}, {args.sample_tokens} tokens from {args.prompt!r}):\n{sample}\n")
+    if args.summary_json and rank == 0:
+        summary = {"run": run, "device": str(device), "world_size": world, "params": numel, "start_step": start, "last_step": last,
                    "losses": losses, "evals": evals, "final_train_loss": final_loss, "final_eval_loss": eval_loss,
                    "tokens_per_s": tok_s, "seconds": seconds, "time_split": split,
                    "phase_seconds": dict(timer.total), "checkpoints": checkpoints, "sample": sample}
