@@ -86,8 +86,12 @@ def write_final(model: nn.Module, out: str, what: str) -> None:
 
 
 def ours(model: nn.Module, schedule) -> DeepOptimizerStates:
-    return DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=97, schedule=schedule,
-                               max_grad_norm=MAX_NORM)
+    """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn."""
+    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=97, max_grad_norm=MAX_NORM,
+                              schedule="cpu" if schedule == "mixed" else schedule)
+    if schedule == "mixed":
+        opt.schedule = [("resident", "staged", "cpu")[i % 3] for i in range(len(opt.layout.subgroups))]
+    return opt
 
 
 def train_mode(steps: int, schedule) -> None:

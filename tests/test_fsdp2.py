@@ -29,7 +29,7 @@ def torchrun(ranks: int, *args: str, target: list[str] | None = None) -> str:
     return run.stdout
 
 
-@pytest.mark.parametrize("ranks,schedule", [(2, "2"), (3, "auto"), (2, "cpu")])
+@pytest.mark.parametrize("ranks,schedule", [(2, "2"), (3, "auto"), (2, "cpu"), (2, "mixed")])
 def test_fsdp2_matches_single_process_adamw_step_by_step(ranks, schedule):
     out = torchrun(ranks, "train", "--steps", "6", "--schedule", schedule)
     assert out.count("6 steps equal torch AdamW") == ranks
@@ -37,10 +37,12 @@ def test_fsdp2_matches_single_process_adamw_step_by_step(ranks, schedule):
     assert len(sizes) > 1, "the shards should be uneven"
 
 
-def test_dcp_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path):
+@pytest.mark.parametrize("schedule", ["2", "mixed"])
+def test_dcp_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, schedule):
+    """"mixed": resident subgroups too, whose states a checkpoint reads from the GPU copy (evicted first)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    common = ["--ckpt", str(ckpt), "--out", str(out), "--before", "3", "--after", "3"]
+    common = ["--ckpt", str(ckpt), "--out", str(out), "--before", "3", "--after", "3", "--schedule", schedule]
     torchrun(2, "save", *common)
     for ranks in (1, 2, 3):
         torchrun(ranks, "load", *common)
