@@ -11,9 +11,10 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
   resident:    [stage_in]   only when just admitted: host states -> its GPU states (kept across steps)
                [gpu]        grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
 
-The main thread enqueues the residents, then the staged pipeline at once (slots bound how far it runs ahead); the CPU worker
-takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones on their way down, so
-grads trickle at the CPU's pace instead of crowding the link and host memory at the start. While the CPU
+The main thread enqueues the residents, then the staged pipeline at once (slots bound how far it runs
+ahead); the CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones
+on their way down, so grads trickle at the CPU's pace instead of crowding the link and host memory at the
+start (with ``stream_grads`` they went down during backward: ``landed``). While the CPU
 updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs in program
 order and the worker runs inline: the same code, synchronous.
 """

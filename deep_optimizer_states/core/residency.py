@@ -90,4 +90,3 @@ class Residents:
 def _empty_states(numel: int, device: torch.device) -> torch.Tensor:
     """One allocation for a subgroup's three fp32 states (a separate function: tests inject failures here)."""
     return torch.empty(3, numel, dtype=torch.float32, device=device)
-

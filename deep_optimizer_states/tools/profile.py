@@ -59,7 +59,8 @@ def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
 
 
 def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_batch: int = 2, seq: int = 128,
-            device: str | None = None, out: str | Path = "profile", gpu_memory_budget: int | float | None = None) -> dict:
+            device: str | None = None, out: str | Path = "profile",
+            gpu_memory_budget: int | float | None = None) -> dict:
     """Train ``iterations`` iterations of the ``preset`` Llama on random tokens and write the last one's
     timeline to ``out``/timeline.png and ``out``/trace.json; returns the phases and paths."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -275,7 +275,8 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         raise UsageError(f"--steps {steps}: the checkpoint is already at step {start}; ask for more steps")
 
     places = opt.placements
-    ranks = f", FSDP2 over {world} ranks ({len(places)} subgroups per rank)" if world > 1 else f"; {len(places)} subgroups"
+    ranks = (f", FSDP2 over {world} ranks ({len(places)} subgroups per rank)" if world > 1
+             else f"; {len(places)} subgroups")
     say(f"model {model_name}: hidden {hidden}, {layers} layers, vocab {vocab}, {numel / 1e6:.2f}M params, {dtype} "
         f"on {device}{ranks}, schedule {args.schedule!r}")
     say(f"data: {data.description}; {len(data.train):,} training tokens, {len(data.held_out):,} held out")
@@ -367,7 +368,8 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         how = "greedy" if args.top_k <= 1 else f"top-{args.top_k} sampling"
         say(f"sample ({how}, {args.sample_tokens} tokens from {args.prompt!r}):\n{sample}\n")
     if args.summary_json and rank == 0:
-        summary = {"run": run, "device": str(device), "world_size": world, "params": numel, "start_step": start, "last_step": last,
+        summary = {"run": run, "device": str(device), "world_size": world, "params": numel, "start_step": start,
+                   "last_step": last,
                    "losses": losses, "evals": evals, "final_train_loss": final_loss, "final_eval_loss": eval_loss,
                    "tokens_per_s": tok_s, "seconds": seconds, "time_split": split,
                    "phase_seconds": dict(timer.total), "checkpoints": checkpoints, "sample": sample}
