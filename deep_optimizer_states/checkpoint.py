@@ -9,7 +9,7 @@ new one is durable). ``load_checkpoint`` checks files, checksums and shapes firs
 ``CheckpointError`` naming what differs, before the model or optimizer is modified.
 
 One saver per root directory at a time; readers may run alongside it. Tensors are plain (unsharded) ones:
-DTensor/sharded state belongs in torch.distributed.checkpoint.
+FSDP2's sharded state goes through ``integrations.fsdp2.save_sharded_checkpoint`` (DCP, the same layout).
 """
 
 from __future__ import annotations
@@ -312,6 +312,9 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module | None = None,
     """
     path = Path(path)
     manifest = read_manifest(path)
+    if manifest.get("sharded"):
+        raise CheckpointError(f"{path}: a sharded (FSDP2) checkpoint: load it with "
+                              "deep_optimizer_states.integrations.fsdp2.load_sharded_checkpoint")
     _check_files(path, manifest, checksums=verify)
     files = manifest["files"]
     for role, obj in (("model", model), ("optimizer", optimizer)):

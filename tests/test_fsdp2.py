@@ -7,6 +7,7 @@ single-process torch.optim.AdamW itself; checkpoints are compared here.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +94,37 @@ def test_dos_train_under_torchrun_is_data_parallel_over_the_ranks(tmp_path):
     assert a[-1] < 0.9 * a[0], "the loss falls"
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {step}: 2 ranks {x}, 1 process with the same batches {y}"
+
+
+def test_dos_train_under_torchrun_checkpoints_with_dcp_and_resumes_on_2_ranks_and_1(tmp_path):
+    """Sharded checkpoints (DCP) from `dos train` on 2 ranks: a resume on 2 ranks from the step-3 checkpoint
+    repeats the uninterrupted run's steps 4-6 exactly; one in a single process (accumulating the same
+    micro-batches) to rounding."""
+    common = ["train", "--hidden", "64", "--layers", "2", "--seq", "32", "--micro-batch", "4", "--data-mb", "0.2",
+              "--steps", "6", "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "0", "--no-progress",
+              "--schedule", "2", "--subgroup-size", "20000", "--warmup", "2"]
+    dos = ["-m", "deep_optimizer_states"]
+    full = tmp_path / "full"
+    torchrun(2, *common, "--checkpoint-dir", str(full), "--checkpoint-every", "3", "--keep-checkpoints", "5",
+             "--summary-json", str(tmp_path / "full.json"), target=dos)
+    manifest = json.loads((full / "step-000000003" / "manifest.json").read_text())
+    assert manifest["sharded"] and manifest["world_size"] == 2
+    for name in ("two", "one"):  # the run "interrupted" after step 3: only its step-3 checkpoint exists
+        (tmp_path / name).mkdir()
+        shutil.copytree(full / "step-000000003", tmp_path / name / "step-000000003")
+    torchrun(2, *common, "--checkpoint-dir", str(tmp_path / "two"), "--resume",
+             "--summary-json", str(tmp_path / "two.json"), target=dos)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
+    one = subprocess.run([sys.executable, *dos, *common, "--accum", "2", "--checkpoint-dir", str(tmp_path / "one"),
+                          "--resume", "--summary-json", str(tmp_path / "one.json")],
+                         capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr[-4000:]
+    curve = dict(json.loads((tmp_path / "full.json").read_text())["losses"])
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["start_step"] == 3 and [s for s, _ in two["losses"]] == [4, 5, 6]
+    for s, loss in two["losses"]:
+        assert loss == curve[s], f"step {s}: resumed on 2 ranks {loss}, uninterrupted {curve[s]}"
+    single = json.loads((tmp_path / "one.json").read_text())
+    assert single["start_step"] == 3 and [s for s, _ in single["losses"]] == [4, 5, 6]
+    for s, loss in single["losses"]:
+        assert abs(loss - curve[s]) <= 1e-4 * curve[s], f"step {s}: resumed in one process {loss}, 2 ranks {curve[s]}"

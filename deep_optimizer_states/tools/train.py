@@ -160,8 +160,9 @@ def generate(model, prompt: list[int], new_tokens: int, context: int, device: to
 
 
 # What a resumed run must share with the checkpoint for its curve to continue exactly.
-_CURVE_KEYS = ("model", "hidden", "layers", "vocab", "seq", "micro_batch", "accum", "lr", "warmup", "min_lr_ratio",
-               "weight_decay", "max_grad_norm", "seed", "dtype", "data")
+# Ranks times accumulation is what matters: rank r takes micro-batches r, r + ranks, ... of each step.
+_CURVE_KEYS = ("model", "hidden", "layers", "vocab", "seq", "micro_batch", "micro_batches_per_step", "lr", "warmup",
+               "min_lr_ratio", "weight_decay", "max_grad_norm", "seed", "dtype", "data")
 
 
 def train(args: argparse.Namespace) -> int:
@@ -174,16 +175,14 @@ def train(args: argparse.Namespace) -> int:
         raise UsageError("--device cuda: no CUDA device here")
     if world_size() == 1:
         return _train(args, device, 0, 1)
-    if args.checkpoint_dir:
-        raise UsageError("--checkpoint-dir under torchrun is not supported yet (dos train's checkpoints are "
-                         "single-process; the optimizer's state_dict itself works with torch.distributed.checkpoint)")
     device, rank, world = join(device)
     leave(_train(args, device, rank, world))
     return 1  # not reached
 
 
 def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
-    from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+    from ..checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, read_manifest, save_checkpoint
+    from ..integrations.fsdp2 import load_sharded_checkpoint, save_sharded_checkpoint
     from ..optimizer import DeepOptimizerStates
     from .data import load_text_data
     from .distributed import mean_over_ranks, shard
@@ -242,7 +241,7 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, steps, warmup, args.min_lr_ratio))
     run = {"model": model_name, "hidden": hidden, "layers": layers, "vocab": vocab, "seq": seq, "micro_batch": micro,
-           "accum": accum, "steps": steps, "lr": args.lr, "warmup": warmup, "min_lr_ratio": args.min_lr_ratio,
+           "accum": accum, "ranks": world, "micro_batches_per_step": accum * world, "steps": steps, "lr": args.lr, "warmup": warmup, "min_lr_ratio": args.min_lr_ratio,
            "weight_decay": args.weight_decay, "max_grad_norm": max_norm or 0.0, "seed": args.seed,
            "dtype": str(dtype), "data": data.fingerprint}
 
@@ -254,10 +253,17 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
             say(f"--resume: no checkpoint in {args.checkpoint_dir} yet; starting at step 0")
         else:
             try:
-                extra = load_checkpoint(path, model, opt)
+                if read_manifest(path).get("sharded"):  # saved under torchrun: resharded to this run's ranks
+                    extra = load_sharded_checkpoint(path, model, opt)
+                elif world > 1:
+                    raise CheckpointError(f"{path} was saved by one process; resume it in one process")
+                else:
+                    extra = load_checkpoint(path, model, opt)
             except CheckpointError as e:
                 raise UsageError(f"--resume: {e}") from None
             saved = extra.get("run", {})
+            saved = {**saved, "micro_batches_per_step": saved.get(  # checkpoints from before this key
+                "micro_batches_per_step", saved.get("accum", 1) * saved.get("ranks", 1))}
             differ = [f"{k}: checkpoint {saved.get(k)!r}, now {run[k]!r}" for k in _CURVE_KEYS if saved.get(k) != run[k]]
             if differ:
                 raise UsageError(f"--resume: {path} was saved by a different run (" + "; ".join(differ)
@@ -295,8 +301,9 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     def save(step: int) -> None:
         extra = {"step": step, "lr_scheduler": sched.state_dict(), "data": data.state(step), "run": run,
                  "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if cuda else None}}
-        checkpoints.append(str(save_checkpoint(args.checkpoint_dir, model, opt, extra=extra, step=step,
-                                               keep=args.keep_checkpoints)))
+        saver = save_sharded_checkpoint if world > 1 else save_checkpoint
+        checkpoints.append(str(saver(args.checkpoint_dir, model, opt, extra=extra, step=step,
+                                     keep=args.keep_checkpoints)))
 
     try:
         from tqdm import tqdm

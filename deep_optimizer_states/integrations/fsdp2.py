@@ -1,0 +1,132 @@
+"""Crash-safe sharded checkpoints of an FSDP2 model and its optimizer, through torch.distributed.checkpoint.
+
+The same layout and guarantees as ``deep_optimizer_states.checkpoint`` (a ``step-N/`` directory per
+checkpoint, a manifest with every file's sha256 and size, written into a hidden temporary sibling and
+renamed into place only when complete, older ones pruned afterwards), with the model and optimizer state
+written by DCP: each rank writes its own shards, and a checkpoint saved on N ranks loads on any number of
+ranks, or in one process without a process group. ``latest_checkpoint`` and ``list_checkpoints`` find
+these checkpoints too. Every rank calls ``save_sharded_checkpoint`` and ``load_sharded_checkpoint``; the
+directory must be one that every rank sees (one host, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+
+from ..checkpoint import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, _check_files, _check_loadable,
+                          _cpu_copy, _fsync_dir, _load_payload, _manifests, _prune, _sha256, _write_bytes,
+                          _write_payload, read_manifest)
+
+SHARDS = "dcp"  # the sub-directory DCP writes into
+EXTRA = "extra.pt"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _from_rank0(value):
+    """Rank 0's ``value`` on every rank."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_sharded_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            extra: dict | None = None, step: int | None = None, keep: int = 2) -> Path:
+    """Write one sharded checkpoint of ``model`` and ``optimizer`` (and rank 0's ``extra``) under
+    ``directory``, atomically; then delete all but the newest ``keep``. Call on every rank."""
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
+    root = Path(directory)
+    names = None
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        serial = 1 + max((m["serial"] for _, m in _manifests(root)), default=0)
+        name = f"step-{step:09d}" if step is not None else f"ckpt-{serial:09d}"
+        if (root / name).exists():
+            name = f"{name}.{serial}"
+        temp = root / f".tmp-{name}.{os.getpid()}.{secrets.token_hex(4)}"
+        temp.mkdir()
+        names = (serial, name, str(temp))
+    serial, name, temp = _from_rank0(names)
+    temp, final = Path(temp), root / name
+    try:
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.save(state, checkpoint_id=str(temp / SHARDS))
+        _barrier()  # every rank's shards are written
+        if _rank() == 0:
+            files = {}
+            if extra is not None:
+                payload = _cpu_copy(extra, {})
+                _check_loadable(payload, "extra")
+                files[EXTRA] = _write_payload(temp / EXTRA, payload)
+            for f in sorted((temp / SHARDS).iterdir()):
+                with open(f, "rb") as handle:
+                    os.fsync(handle.fileno())
+                files[f"{SHARDS}/{f.name}"] = {"sha256": _sha256(f), "size": f.stat().st_size}
+            _fsync_dir(temp / SHARDS)
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "serial": serial, "step": step,
+                        "created_unix": time.time(), "torch_version": torch.__version__, "files": files,
+                        "sharded": True, "world_size": world}
+            _write_bytes(temp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            _fsync_dir(temp)
+            os.rename(temp, final)
+            _fsync_dir(root)
+            _prune(root, keep, final)
+    except BaseException:
+        if _rank() == 0:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    _barrier()
+    return final
+
+
+def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
+                            verify: bool = True) -> dict:
+    """Verify sharded checkpoint ``path`` (files, sizes, and sha256 on rank 0 unless ``verify=False``), load
+    it into ``model`` and ``optimizer`` (resharded to this run's ranks) and return its ``extra`` dict."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if not manifest.get("sharded"):
+        raise CheckpointError(f"{path}: not a sharded checkpoint; load it with checkpoint.load_checkpoint")
+    _check_files(path, manifest, checksums=False)
+    problem = None
+    if verify and _rank() == 0:
+        try:
+            _check_files(path, manifest, checksums=True)
+        except CheckpointError as e:
+            problem = str(e)
+    problem = _from_rank0(problem)
+    if problem:
+        raise CheckpointError(problem)
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=str(path / SHARDS))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    files = manifest["files"]
+    return _load_payload(path / EXTRA, files[EXTRA], "cpu") if EXTRA in files else {}
