@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -161,3 +163,23 @@ def test_the_hugging_face_trainer_refuses_stream_grads():
     args = TrainingArguments(output_dir="/tmp/unused", report_to=[])
     with pytest.raises(ValueError, match="stream_grads"):
         optimizer_kwargs(args, stream_grads=True)
+
+
+def test_a_rebuilt_optimizer_streams_alone_and_a_dropped_one_is_freed_with_its_hooks():
+    """An optimizer dropped but not yet collected must not take the gradients of its successor."""
+    model = mlp()
+    refs = []
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        opt = DeepOptimizerStates(model, stream_grads=True, schedule="cpu", subgroup_size=2000)
+        for _ in range(2):
+            opt.zero_grad()
+            loss_of(model, gen).backward()
+            assert len(opt.grad_stream.landed) == len(opt.layout.subgroups), "the newest optimizer streams"
+            opt.step()
+            assert all(int(opt.state[p]["step"]) > 0 for p in model.parameters())
+        refs.append(weakref.ref(opt))
+        del opt
+    gc.collect()
+    assert [r() for r in refs] == [None] * 3, "the params' hooks must not keep the optimizer alive"
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters()), "hooks removed with it"

@@ -15,11 +15,15 @@ their gradients on the GPU.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Callable, Iterator
 
 import torch
 
 from .layout import Layout, Subgroup, local
+
+
+_OWNER: dict[int, weakref.ref] = {}  # id(param) -> the GradStream that streams it (the newest one built)
 
 
 class GradStream:
@@ -32,8 +36,14 @@ class GradStream:
         self._subgroups_of = {id(p): layout.subgroups_of(b, i) for b in layout.buckets for i, p in enumerate(b.params)}
         self._pieces = {sg.index: len(sg.pieces) for sg in layout.subgroups}
         self._buffer: torch.Tensor | None = None
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad)
-                         for b in layout.buckets for p in b.params]
+        self._ref = weakref.ref(self)
+        hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for b in layout.buckets for p in b.params]
+        for b in layout.buckets:  # the newest optimizer of a param streams it: a dropped one not yet collected
+            for p in b.params:  # would otherwise take its gradients
+                _OWNER[id(p)] = self._ref
+        ids = [id(p) for b in layout.buckets for p in b.params]
+        weakref.finalize(self, _remove, list(self._handles), ids, self._ref)
         self.reset()
 
     def reset(self) -> None:
@@ -48,6 +58,7 @@ class GradStream:
         for h in self._handles:
             h.remove()
         self._handles = []
+        _release([id(p) for b in self.layout.buckets for p in b.params], self._ref)
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -60,7 +71,7 @@ class GradStream:
 
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
-        if not self.final or p.grad is None:
+        if not self.final or p.grad is None or _OWNER.get(id(p)) is not self._ref:
             return
         if id(p) in self.norms:
             raise RuntimeError("a second backward reached gradients that stream_grads has already treated as final "
@@ -125,3 +136,23 @@ class GradStream:
 def _norm(g: torch.Tensor) -> torch.Tensor:
     """The L2 norm in fp32 by the kernel ``grad_scaling.total_norm`` uses, so both paths clip alike."""
     return torch._foreach_norm([g], 2, dtype=torch.float32)[0]
+
+
+def _weak_hook(ref: "weakref.ref[GradStream]") -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        stream = ref()
+        if stream is not None:
+            stream._on_grad(p)
+    return hook
+
+
+def _release(ids: list[int], ref: weakref.ref) -> None:
+    for i in ids:
+        if _OWNER.get(i) is ref:
+            del _OWNER[i]
+
+
+def _remove(handles: list, ids: list[int], ref: weakref.ref) -> None:
+    for h in handles:
+        h.remove()
+    _release(ids, ref)
