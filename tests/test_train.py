@@ -119,3 +119,13 @@ def test_trains_a_local_hugging_face_model_directory_on_your_files(tmp_path):
         "--summary-json", str(summary_file), cache=tmp_path)
     summary = json.loads(summary_file.read_text())
     assert summary["run"]["vocab"] == 300 and len(summary["losses"]) == 3
+
+
+def test_stream_grads_trains_the_same_curve(tmp_path):
+    """--stream-grads sends the gradients down during backward (the last micro-batch of each step): on the
+    CPU the same fp32 operations, so the same losses, bit for bit."""
+    common = [*SMALL, "--steps", "4", "--accum", "2", "--eval-every", "0", "--sample-tokens", "0"]
+    dos("train", *common, "--summary-json", str(tmp_path / "plain.json"), cache=tmp_path)
+    dos("train", *common, "--stream-grads", "--summary-json", str(tmp_path / "stream.json"), cache=tmp_path)
+    plain, stream = (json.loads((tmp_path / f).read_text()) for f in ("plain.json", "stream.json"))
+    assert stream["losses"] == plain["losses"] and stream["final_eval_loss"] == plain["final_eval_loss"]

@@ -9,6 +9,7 @@ resumed with ``--resume`` continues the uninterrupted run's loss curve exactly (
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -236,8 +237,8 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     max_norm = args.max_grad_norm or None
     opt = DeepOptimizerStates(_param_groups(model, args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                               weight_decay=args.weight_decay, subgroup_size=size, schedule=args.schedule,
-                              max_grad_norm=max_norm,
-                              gpu_memory_budget=_gib(args.gpu_memory_budget))
+                              max_grad_norm=max_norm, gpu_memory_budget=_gib(args.gpu_memory_budget),
+                              stream_grads=args.stream_grads)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, steps, warmup, args.min_lr_ratio))
     run = {"model": model_name, "hidden": hidden, "layers": layers, "vocab": vocab, "seq": seq, "micro_batch": micro,
@@ -318,7 +319,8 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         for m in range(accum):
             loss = _loss(model, data.batch(step, m * world + rank), device)  # each rank its own
             timer.lap("forward")
-            opt.scale_loss(loss / accum).backward()
+            with opt.accumulating() if m < accum - 1 else contextlib.nullcontext():  # stream_grads: the last only
+                opt.scale_loss(loss / accum).backward()
             total += loss.item()
             timer.lap("backward")
         opt.step()
