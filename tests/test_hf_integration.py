@@ -93,6 +93,8 @@ def train(out_dir, how: str, resume=None, model_seed: int = 0, max_steps: int = 
             weight_decay=args.weight_decay, fused=True)))
     elif how == "dos_trainer":
         trainer = DOSTrainer(**common, dos_kwargs={"schedule": 2, "subgroup_size": 20_000})
+    elif how == "dos_trainer_stream":
+        trainer = DOSTrainer(**common, dos_kwargs={"schedule": 2, "subgroup_size": 20_000, "stream_grads": True})
     elif how == "cls_and_kwargs":
         trainer = transformers.Trainer(**common, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(
             args, schedule="cpu", subgroup_size=20_000))
@@ -135,6 +137,18 @@ def test_dos_trainer_matches_trainer_with_torch_fused_adamw(runs):
     assert groups[0][1]["betas"] == BETAS and groups[0][1]["eps"] == EPS
     assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= groups[1][0]
     assert "lm_head.weight" in groups[0][0]
+
+
+def test_dos_trainer_with_streamed_gradients_matches_torch(runs, tmp_path):
+    """stream_grads under the Trainer: the non-final micro-batch accumulates, the last one streams, and the
+    clipping (max_grad_norm 0.5, active) moves into the optimizer; the result is torch's fused AdamW's."""
+    _, r = runs
+    ours, ref = train(tmp_path, "dos_trainer_stream"), r["torch"]
+    opt = ours.optimizer
+    assert opt.grad_stream.sent > 0 and opt.max_grad_norm == 0.5 and ours.trainer.args.max_grad_norm == 0
+    assert int(opt.state[next(iter(opt.state))]["step"]) == 6
+    assert_same_params(ours.final, ref.final, exact=False, rtol=1e-5)
+    assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
 
 
 # ---- 2. Trainer(optimizer_cls_and_kwargs=...) -------------------------------------------------------------------

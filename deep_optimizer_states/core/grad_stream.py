@@ -46,6 +46,8 @@ class GradStream:
         weakref.finalize(self, _remove, list(self._handles), ids, self._ref)
         self.reset()
 
+    sent = 0  # subgroups sent down since the optimizer was built (telemetry)
+
     def reset(self) -> None:
         """Forget this step's gradients (after the step, or at zero_grad)."""
         self.waiting = dict(self._pieces)  # per subgroup: params whose final gradient has not come
@@ -105,6 +107,7 @@ class GradStream:
         if self.stream is None:
             sg.gather_grads(sg.grad32)
             self.landed[sg.index] = None
+            self.sent += 1
             return
         biggest = max(s.numel for s in self.layout.subgroups)
         if self._buffer is None:  # one buffer: uses follow each other on the one side stream
@@ -116,6 +119,7 @@ class GradStream:
             sg.gather_grads(work)
             sg.grad32.copy_(work, non_blocking=True)
             self.landed[sg.index] = self.stream.record_event()
+        self.sent += 1
 
     def had_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` had a final gradient this step (also once it was given back)."""

@@ -59,9 +59,11 @@ def optimizer_kwargs(args: TrainingArguments, **overrides: Any) -> dict[str, Any
     }
     if "params" in overrides or "model" in overrides:
         raise TypeError("the Trainer gives the params: do not pass params/model in the optimizer's kwargs")
-    if overrides.get("stream_grads"):
-        raise ValueError("stream_grads=True is not supported under the Trainer: it accumulates and clips through "
-                         "the params' .grad, which streamed gradients leave empty. Leave stream_grads out")
+    if overrides.get("stream_grads") and args.max_grad_norm:
+        raise ValueError("stream_grads=True with the Trainer's own clipping (args.max_grad_norm > 0): the Trainer "
+                         "clips the params' .grad, which streamed gradients leave empty. Use DOSTrainer (it moves "
+                         "the clipping into the optimizer and marks the non-final micro-batches), or leave "
+                         "stream_grads out")
     if overrides.get("max_grad_norm") is not None and args.max_grad_norm:
         raise ValueError(f"the Trainer already clips gradients to args.max_grad_norm={args.max_grad_norm}; passing "
                          "max_grad_norm to the optimizer would clip twice. Drop it, or set args.max_grad_norm=0 "
@@ -102,6 +104,12 @@ class DOSTrainer(Trainer):
     ``subgroup_size``, ``cpu_threads``, ``nonfinite``, ...). ``args.optim`` is ignored. The Trainer clips
     gradients itself (``args.max_grad_norm``). Train bf16 or fp32 params: fp16 params need ``opt.scale_loss``,
     which the Trainer never calls.
+
+    With ``dos_kwargs={"stream_grads": True}`` the gradients of CPU-placed subgroups leave the GPU during the
+    last micro-batch's backward: the backward of every other micro-batch runs under ``opt.accumulating()``,
+    and clipping moves from the Trainer (which reads the params' ``.grad``) into the optimizer:
+    ``args.max_grad_norm`` is given to it and set to 0 for the Trainer (no ``grad_norm`` in the logs then;
+    ``opt.last_grad_norm`` has it).
     """
 
     def __init__(self, *args: Any, dos_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -109,7 +117,21 @@ class DOSTrainer(Trainer):
             raise ValueError("DOSTrainer builds its own optimizer: pass dos_kwargs, not optimizer_cls_and_kwargs")
         self.dos_kwargs = dict(dos_kwargs or {})
         super().__init__(*args, **kwargs)
+        if self.dos_kwargs.get("stream_grads") and self.args.max_grad_norm:
+            if self.dos_kwargs.get("max_grad_norm") is not None:
+                raise ValueError("pass max_grad_norm in TrainingArguments or in dos_kwargs, not both")
+            self.dos_kwargs["max_grad_norm"] = self.args.max_grad_norm  # the optimizer sees streamed gradients
+            self.args.max_grad_norm = 0.0
         optimizer_kwargs(self.args, **self.dos_kwargs)  # refuse bad kwargs now, not at train()
+
+    def training_step(self, model: torch.nn.Module, inputs: dict, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """The base step; with ``stream_grads``, a micro-batch that is not the last of its accumulation
+        backpropagates under ``opt.accumulating()`` (its gradients stay to be accumulated)."""
+        opt = _ours(self.optimizer)
+        if opt is None or opt.grad_stream is None or self.accelerator.sync_gradients:
+            return super().training_step(model, inputs, *args, **kwargs)
+        with opt.accumulating():
+            return super().training_step(model, inputs, *args, **kwargs)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -117,3 +139,10 @@ class DOSTrainer(Trainer):
             groups = grouped_parameters(opt_model, self.get_decay_parameter_names(opt_model), self.args.weight_decay)
             self.optimizer = DeepOptimizerStates(groups, **optimizer_kwargs(self.args, **self.dos_kwargs))
         return self.optimizer
+
+
+def _ours(opt: Any) -> DeepOptimizerStates | None:
+    """The DeepOptimizerStates inside Accelerate's AcceleratedOptimizer (or None)."""
+    while opt is not None and not isinstance(opt, DeepOptimizerStates):
+        opt = getattr(opt, "optimizer", None)
+    return opt
