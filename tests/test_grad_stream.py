@@ -183,3 +183,32 @@ def test_a_rebuilt_optimizer_streams_alone_and_a_dropped_one_is_freed_with_its_h
     gc.collect()
     assert [r() for r in refs] == [None] * 3, "the params' hooks must not keep the optimizer alive"
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters()), "hooks removed with it"
+
+
+def test_a_forward_out_of_registration_order_and_reads_between_steps():
+    """Subgroups complete in whatever order backward reaches their params; a state_dict and state reads
+    between steps change nothing."""
+    class Reversed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.first, self.second, self.third = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):  # registered first, used last
+            return self.first(torch.tanh(self.second(torch.tanh(self.third(x)))).T[:8].T)
+
+    def loss_rev(model, gen):
+        return (model(torch.randn(16, 32, generator=gen)) - torch.randn(16, 32, generator=gen)).pow(2).mean()
+
+    (m1, o1), (m2, o2) = _pair(Reversed(), schedule=2, subgroup_size=500, lr=1e-2, max_grad_norm=0.2)
+    gen1, gen2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
+            o.zero_grad()
+            loss_rev(m, gen).backward()
+            o.step()
+        o1.state_dict()
+        _ = [o1.state[p]["exp_avg"].sum() for p in m1.parameters()]
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(o1.master(p1), o2.master(p2))
+    assert o1.grad_stream.sent > 0
