@@ -31,3 +31,29 @@ def test_dos_profile_from_the_command_line(tmp_path, capsys):
     assert "timeline:" in capsys.readouterr().out
     assert (tmp_path / "timeline.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_memory_is_sampled_by_a_thread_through_the_update(tmp_path):
+    """The update allocates inside step(), where no module hook reaches: a thread samples allocated and
+    reserved memory all through the iteration (a fake reading here: the CPU has no device memory)."""
+    import time
+
+    import torch
+
+    from deep_optimizer_states.tools import profile as prof
+
+    level = [1e9]
+    clock = prof._Clock(torch.device("cpu"), read=lambda: (level[0], 1.5 * level[0]))
+    with clock.sampling():
+        time.sleep(0.05)
+        level[0] = 3e9  # an allocation inside the update
+        time.sleep(0.05)
+    times = [t for t, _, _ in clock.memory]
+    assert len(times) > 10 and times == sorted(times)
+    assert {1.0, 3.0} <= {round(a, 3) for _, a, _ in clock.memory}
+    assert all(r == 1.5 * a for _, a, r in clock.memory)
+    phases = [("forward", 0.0, 0.03), ("backward", 0.03, 0.05), ("update", 0.05, 0.1)]
+    prof._figure(phases, [], clock.memory, "fake memory", tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 10_000
+    counters = [e for e in prof._chrome_trace(phases, [], clock.memory)["traceEvents"] if e["ph"] == "C"]
+    assert len(counters) == len(clock.memory) and set(counters[0]["args"]) == {"allocated GB", "reserved GB"}

@@ -8,9 +8,12 @@ opens in Perfetto or chrome://tracing for zooming. This is where the interleavin
 
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -23,14 +26,21 @@ COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "gra
           "cpu_adam": "#ccb974"}
 
 
-class _Clock:
-    """Seconds since the iteration began, with the device synchronised first (phases end on the GPU)."""
+SAMPLE_EVERY_S = 0.001  # the memory sampler's period during the traced iteration
 
-    def __init__(self, device: torch.device) -> None:
+
+class _Clock:
+    """Seconds since the iteration began, with the device synchronised first (phases end on the GPU), and
+    the GPU memory (allocated, reserved) over the iteration: sampled at phase points and module hooks, and
+    by a thread every SAMPLE_EVERY_S while ``sampling`` (the update allocates inside ``step``, out of
+    reach of any hook)."""
+
+    def __init__(self, device: torch.device, read=None) -> None:
         self.device = device
+        self.read = read or (_cuda_memory(device) if device.type == "cuda" else None)
         self.sync()
         self.t0 = time.perf_counter()
-        self.memory: list[tuple[float, float]] = []  # (seconds, GB allocated)
+        self.memory: list[tuple[float, float, float]] = []  # (seconds, GB allocated, GB reserved)
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -40,8 +50,34 @@ class _Clock:
         return time.perf_counter() - self.t0
 
     def sample(self) -> None:
-        if self.device.type == "cuda":
-            self.memory.append((self.now(), torch.cuda.memory_allocated(self.device) / 1e9))
+        if self.read is not None:
+            allocated, reserved = self.read()
+            self.memory.append((self.now(), allocated / 1e9, reserved / 1e9))
+
+    @contextlib.contextmanager
+    def sampling(self) -> Iterator[None]:
+        """Sample the memory from a thread while the enclosed code runs."""
+        if self.read is None:
+            yield
+            return
+        stop = threading.Event()
+
+        def run() -> None:
+            while not stop.wait(SAMPLE_EVERY_S):
+                self.sample()
+
+        thread = threading.Thread(target=run, name="dos-profile-memory", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            self.memory.sort()
+
+
+def _cuda_memory(device: torch.device):
+    return lambda: (torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device))
 
 
 def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
@@ -65,7 +101,8 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_ba
     timeline to ``out``/timeline.png and ``out``/trace.json; returns the phases and paths."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = llama(preset, torch.bfloat16, dev)
-    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, schedule=schedule, gpu_memory_budget=gpu_memory_budget,
+    opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, schedule=schedule,
+                              gpu_memory_budget=gpu_memory_budget,
                               subgroup_size=max(64, sum(p.numel() for p in model.parameters()) // 16))
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
@@ -74,17 +111,18 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_ba
         opt.engine.trace = last
         clock = _Clock(dev)
         handles = _memory_hooks(model, clock) if last else []
-        clock.sample()
-        loss = model(input_ids=ids, labels=ids).loss
-        clock.sync()
-        t_fwd = clock.now()
-        loss.backward()
-        clock.sync()
-        t_bwd = clock.now()
-        opt.step()
-        clock.sync()
-        t_upd = clock.now()
-        clock.sample()
+        with clock.sampling() if last else contextlib.nullcontext():
+            clock.sample()
+            loss = model(input_ids=ids, labels=ids).loss
+            clock.sync()
+            t_fwd = clock.now()
+            loss.backward()
+            clock.sync()
+            t_bwd = clock.now()
+            opt.step()
+            clock.sync()
+            t_upd = clock.now()
+            clock.sample()
         opt.zero_grad()
         for h in handles:
             h.remove()
@@ -114,8 +152,8 @@ def _chrome_trace(phases, blocks, memory) -> dict:
                for name, a, b in phases]
     events += [{"name": b["label"], "ph": "X", "pid": 1, "tid": rows.index(b["lane"]), "ts": b["start"] * 1e6,
                 "dur": (b["end"] - b["start"]) * 1e6, "cat": b["lane"]} for b in blocks]
-    events += [{"name": "GPU memory allocated", "ph": "C", "pid": 1, "ts": t * 1e6, "args": {"GB": gb}}
-               for t, gb in memory]
+    events += [{"name": "GPU memory", "ph": "C", "pid": 1, "ts": t * 1e6,
+                "args": {"allocated GB": allocated, "reserved GB": reserved}} for t, allocated, reserved in memory]
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -141,7 +179,10 @@ def _figure(phases, blocks, memory, title: str, path: Path) -> None:
         for axis in (ax, mem):
             axis.axvline(b * 1e3, color="black", linewidth=0.6, linestyle="--")
     if memory:
-        mem.plot([t * 1e3 for t, _ in memory], [gb for _, gb in memory], color="black", linewidth=1)
+        ms = [t * 1e3 for t, _, _ in memory]
+        mem.plot(ms, [r for _, _, r in memory], color="grey", linewidth=1, linestyle="--", label="reserved")
+        mem.plot(ms, [a for _, a, _ in memory], color="black", linewidth=1, label="allocated")
+        mem.legend(loc="lower right", fontsize=7)
         mem.set_ylabel("GPU GB")
     else:
         mem.text(0.5, 0.5, "no GPU: memory not sampled", ha="center", va="center", transform=mem.transAxes)
