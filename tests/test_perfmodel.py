@@ -335,3 +335,19 @@ def test_each_schedule_is_predicted_from_the_other_schedules_updates_only():
     assert refined_without(3, changed, sizes, H200_LIKE).factors()["cpu_contended"] < 0.8  # others: seen
     only_k2 = [r for r in records if r.schedule == 2]
     assert refined_without(2, only_k2, sizes, H200_LIKE).factors()["cpu_contended"] == 1.0  # nothing to learn
+
+
+def test_link_rate_is_not_learned_from_updates_with_residents(monkeypatch):
+    """With residents the update's time holds their GPU work too (here 15 ms the model does not price): the
+    link rate, which is right, must not absorb it."""
+    sizes = equal(16)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    places = [Placement.RESIDENT] * 4 + _link_bound(sizes, H200_LIKE)[4:]
+    planner.plan(2)
+    planner.current = replace(planner.current, placements=places)
+    for _ in range(5):
+        real = predict(sizes, places, H200_LIKE, 2)
+        planner.observe(SimpleNamespace(seconds=real.seconds + 0.015, cpu_adam_seconds=real.cpu_s,
+                                        staged_subgroups=places.count(Placement.STAGED),
+                                        cpu_subgroups=places.count(Placement.CPU)))
+    assert planner.factors["link_contended"] == 1.0

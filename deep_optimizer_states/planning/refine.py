@@ -61,7 +61,8 @@ class Refiner:
         now = predict(sizes, places, self.apply(base), slots)
         if now.link_s >= OVERLAP * now.cpu_s:
             self._learn("cpu_contended", sizes, places, slots, base, lambda p: p.cpu_s, stats.cpu_adam_seconds)
-        if stats.cpu_adam_seconds < LINK_BOUND * stats.seconds:
+        if stats.cpu_adam_seconds < LINK_BOUND * stats.seconds and Placement.RESIDENT not in places:
+            # (with residents the update's time holds their GPU work too, which the link rate must not absorb)
             link_fill = fills(sizes, places, base)[1]
             self._learn("link_contended", sizes, places, slots, base, lambda p: p.link_s + link_fill, stats.seconds)
 
