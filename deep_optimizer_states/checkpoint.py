@@ -60,12 +60,7 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module | None = None
     if optimizer is not None and not callable(getattr(optimizer, "state_dict", None)):
         raise TypeError(f"optimizer must have a state_dict() method (a torch.optim.Optimizer), "
                         f"got {type(optimizer).__name__}")
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}; wrap it: extra={{'value': ...}}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
+    check_save_args(extra, step, keep)
     if model is None and optimizer is None and extra is None:
         raise ValueError("nothing to save: pass a model, an optimizer or extra")
 
@@ -99,6 +94,16 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module | None = None
     _fsync_dir(root)
     _prune(root, keep, final)
     return final
+
+
+def check_save_args(extra: Any, step: Any, keep: Any) -> None:
+    """Refuse bad ``extra``/``step``/``keep`` of a save, naming what to change (shared with sharded saves)."""
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}; wrap it: extra={{'value': ...}}")
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
 
 
 def _cpu_copy(obj: Any, memo: dict[tuple, torch.Tensor]) -> Any:

@@ -27,6 +27,14 @@ def _pair(model: nn.Module, **kwargs):
     return (model, DeepOptimizerStates(model, stream_grads=True, **kwargs)), (twin, DeepOptimizerStates(twin, **kwargs))
 
 
+def _step_both(runs, loss_fn) -> None:
+    """One step of each (model, optimizer, generator) run on its own batch from ``loss_fn``."""
+    for model, opt, gen in runs:
+        opt.zero_grad()
+        loss_fn(model, gen).backward()
+        opt.step()
+
+
 def _lockstep(make, steps=5, micro=1, seed=0, max_norm=None, check=None, **kwargs):
     (m1, o1), (m2, o2) = _pair(make(), **kwargs)
     gen1, gen2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
@@ -125,10 +133,7 @@ def test_a_module_used_twice_and_a_param_without_a_gradient():
     (m1, o1), (m2, o2) = _pair(model, schedule="cpu", subgroup_size=300, lr=1e-2, max_grad_norm=0.1)
     gen1, gen2 = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     for _ in range(4):
-        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
-            o.zero_grad()
-            loss_twice(m, gen).backward()
-            o.step()
+        _step_both(((m1, o1, gen1), (m2, o2, gen2)), loss_twice)
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             assert torch.equal(o1.master(p1), o2.master(p2))
     assert "step" not in o1.state[m1.unused.weight], "a param without a gradient is left alone, as torch does"
@@ -203,10 +208,7 @@ def test_a_forward_out_of_registration_order_and_reads_between_steps():
     (m1, o1), (m2, o2) = _pair(Reversed(), schedule=2, subgroup_size=500, lr=1e-2, max_grad_norm=0.2)
     gen1, gen2 = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
     for _ in range(4):
-        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
-            o.zero_grad()
-            loss_rev(m, gen).backward()
-            o.step()
+        _step_both(((m1, o1, gen1), (m2, o2, gen2)), loss_rev)
         o1.state_dict()
         _ = [o1.state[p]["exp_avg"].sum() for p in m1.parameters()]
         for p1, p2 in zip(m1.parameters(), m2.parameters()):

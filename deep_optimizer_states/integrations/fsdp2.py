@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 
 from ..checkpoint import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, _check_files, _check_loadable,
                           _cpu_copy, _fsync_dir, _load_payload, _manifests, _prune, _sha256, _write_bytes,
-                          _write_payload, read_manifest)
+                          _write_payload, check_save_args, read_manifest)
 
 SHARDS = "dcp"  # the sub-directory DCP writes into
 EXTRA = "extra.pt"
@@ -55,12 +55,7 @@ def save_sharded_checkpoint(directory: str | os.PathLike, model: nn.Module, opti
                             extra: dict | None = None, step: int | None = None, keep: int = 2) -> Path:
     """Write one sharded checkpoint of ``model`` and ``optimizer`` (and rank 0's ``extra``) under
     ``directory``, atomically; then delete all but the newest ``keep``. Call on every rank."""
-    if extra is not None and not isinstance(extra, dict):
-        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be an int >= 0 or None, got {step!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be an int >= 1 (how many checkpoints to keep), got {keep!r}")
+    check_save_args(extra, step, keep)
     root = Path(directory)
     names = None
     if _rank() == 0:

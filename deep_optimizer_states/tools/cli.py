@@ -101,8 +101,8 @@ def _check(args: argparse.Namespace) -> int:
 
 def _check_loop(args: argparse.Namespace, device: torch.device, rank: int, world: int) -> int:
     from ..optimizer import DeepOptimizerStates
-    from .distributed import shard
     from ..reference import ReferenceAdamW
+    from .distributed import max_over_ranks, shard
     from .models import llama
 
     model = llama(args.model, torch.bfloat16, device)
@@ -133,7 +133,7 @@ def _check_loop(args: argparse.Namespace, device: torch.device, rank: int, world
         line = (f"step {step:3d}  loss {loss.item():.4f}  grad norm {opt.last_grad_norm.item():.3f}  "
                 f"update {opt.last_update.seconds * 1e3:7.1f} ms  iteration {(time.perf_counter() - t0) * 1e3:7.1f} ms")
         if ref is not None:
-            err = _worst(max(ref.relative_errors()), world)
+            err = max_over_ranks(max(ref.relative_errors()), world)
             worst = max(worst, err)
             line += f"  max rel. err vs torch.optim.AdamW {err:.1e}"
         say(line, flush=True)
@@ -142,17 +142,6 @@ def _check_loop(args: argparse.Namespace, device: torch.device, rank: int, world
         say(f"{verdict} torch.optim.AdamW on fp32 masters (worst relative error {worst:.1e}, bar 1e-6)")
         return 0 if worst < 1e-6 else 1
     return 0
-
-
-def _worst(err: float, world: int) -> float:
-    """The largest of every rank's ``err``."""
-    if world == 1:
-        return err
-    t = torch.tensor([err], dtype=torch.float64)
-    if torch.distributed.get_backend() == "nccl":
-        t = t.cuda()
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _profile(args: argparse.Namespace) -> int:

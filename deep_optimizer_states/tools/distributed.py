@@ -36,15 +36,22 @@ def shard(model: torch.nn.Module) -> torch.nn.Module:
     return fully_shard(model)
 
 
-def mean_over_ranks(value: float, world: int) -> float:
-    """The mean of every rank's ``value``."""
-    if world == 1:
-        return value
+def _reduce(value: float, op) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     if torch.distributed.get_backend() == "nccl":
         t = t.cuda()
-    torch.distributed.all_reduce(t)
-    return float(t.item()) / world
+    torch.distributed.all_reduce(t, op=op)
+    return float(t.item())
+
+
+def mean_over_ranks(value: float, world: int) -> float:
+    """The mean of every rank's ``value``."""
+    return value if world == 1 else _reduce(value, torch.distributed.ReduceOp.SUM) / world
+
+
+def max_over_ranks(value: float, world: int) -> float:
+    """The largest of every rank's ``value``."""
+    return value if world == 1 else _reduce(value, torch.distributed.ReduceOp.MAX)
 
 
 def leave(rc: int) -> None:
