@@ -35,18 +35,18 @@ class GradStream:
         self.final = True  # False inside opt.accumulating(): this backward is not the last micro-batch
         self._subgroups_of = {id(p): layout.subgroups_of(b, i) for b in layout.buckets for i, p in enumerate(b.params)}
         self._pieces = {sg.index: len(sg.pieces) for sg in layout.subgroups}
+        self._biggest = max(sg.numel for sg in layout.subgroups)
         self._buffer: torch.Tensor | None = None
+        self.sent = 0  # subgroups sent down since the optimizer was built (telemetry)
         self._ref = weakref.ref(self)
         hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
-        self._handles = [p.register_post_accumulate_grad_hook(hook) for b in layout.buckets for p in b.params]
-        for b in layout.buckets:  # the newest optimizer of a param streams it: a dropped one not yet collected
-            for p in b.params:  # would otherwise take its gradients
-                _OWNER[id(p)] = self._ref
-        ids = [id(p) for b in layout.buckets for p in b.params]
-        weakref.finalize(self, _remove, list(self._handles), ids, self._ref)
+        params = [p for b in layout.buckets for p in b.params]
+        self._handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self._ids = [id(p) for p in params]
+        for i in self._ids:  # the newest optimizer of a param streams it: a dropped one not yet collected
+            _OWNER[i] = self._ref  # would otherwise take its gradients
+        weakref.finalize(self, _remove, list(self._handles), self._ids, self._ref)
         self.reset()
-
-    sent = 0  # subgroups sent down since the optimizer was built (telemetry)
 
     def reset(self) -> None:
         """Forget this step's gradients (after the step, or at zero_grad)."""
@@ -60,7 +60,7 @@ class GradStream:
         for h in self._handles:
             h.remove()
         self._handles = []
-        _release([id(p) for b in self.layout.buckets for p in b.params], self._ref)
+        _release(self._ids, self._ref)
 
     @contextlib.contextmanager
     def accumulating(self) -> Iterator[None]:
@@ -109,10 +109,9 @@ class GradStream:
             self.landed[sg.index] = None
             self.sent += 1
             return
-        biggest = max(s.numel for s in self.layout.subgroups)
         if self._buffer is None:  # one buffer: uses follow each other on the one side stream
             with torch.cuda.stream(self.stream):
-                self._buffer = torch.empty(biggest, dtype=torch.float32, device=self.device)
+                self._buffer = torch.empty(self._biggest, dtype=torch.float32, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are computed
         with torch.cuda.stream(self.stream):
             work = self._buffer[: sg.numel]
