@@ -224,14 +224,9 @@ class Planner:
         budget, beside the residents this plan adds."""
         if not self._gpu:
             return self.max_slots
-        free = self.budget.free() if self.budget.active else gpu_bytes_free(self.device)
+        free = self.budget.free() if self.budget.active else CudaProbe(self.device).free()
         free -= max(0, RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want]) - self._held)
         biggest = max(self.sizes)
         spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
         return int(max(0, min(self.max_slots, spare // (SLOT_BYTES_PER_ELEMENT * biggest))))
 
-
-def gpu_bytes_free(device: torch.device) -> int:
-    """Bytes this process may still allocate: the device's free memory plus our cached blocks, capped by
-    torch.cuda.set_per_process_memory_fraction when one is set (how a smaller GPU is emulated)."""
-    return CudaProbe(device).free()
