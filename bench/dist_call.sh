@@ -3,8 +3,10 @@
 # results kept in /tmp/dist (it survives between calls while the machine stays warm) and copied to $OUT
 # after each step. A step that would start after DEADLINE seconds is left for the next call.
 #
-#   bench/dist_call.sh DEADLINE STEP...   STEP: run:SYSTEM:MODEL:RANKS | gputest | startup:SIZES:PRESETS
-#   e.g. bench/dist_call.sh 560 gputest run:ours:5.2b:2 run:fsdp2_offload:5.2b:2 run:deepspeed:5.2b:2
+#   bench/dist_call.sh DEADLINE STEP...
+#   STEP: run:SYSTEM:MODEL:RANKS[:SWEEP] | gputest[:REPEATS] | startup:SIZES:PRESETS | topo
+#   e.g. bench/dist_call.sh 560 gputest run:ours:5.2b:2:cpu,gpu,2 run:fsdp2_offload:5.2b:2 run:deepspeed:5.2b:2
+#   SWEEP (ours only): fixed schedules timed in the same job after the run, comma-separated
 #
 # Threads: torchrun sets OMP_NUM_THREADS=1 for every rank. The peers get what their docs recommend,
 # OMP_NUM_THREADS = cores / ranks; ours runs with torchrun's default and picks its own count.
@@ -20,16 +22,16 @@ cores=$(nproc)
 deadline=$1
 shift
 for step in "$@"; do
-  IFS=: read -r kind a b c <<< "$step"
+  IFS=: read -r kind a b c d <<< "$step"
   left=$((deadline - SECONDS))
   if [ $left -le 0 ]; then echo "deadline: $step not started"; continue; fi
   case $kind in
     run)
       threads=""
-      [ "$a" != ours ] && threads="OMP_NUM_THREADS=$((cores / c))"
+      [ "${a#ours}" = "$a" ] && threads="OMP_NUM_THREADS=$((cores / c))"
       log=$R/$a-$b-$c.log
       env $threads timeout $left torchrun --standalone --nproc_per_node "$c" -m bench.dist_run --system "$a" \
-          --model "$b" --warmup 2 --iters 5 > "$log" 2>&1
+          --model "$b" --warmup 2 --iters 5 --sweep "${d:-}" > "$log" 2>&1
       rc=$?
       if tr '\r' '\n' < "$log" | grep -q '^RESULT '; then
         tr '\r' '\n' < "$log" | grep '^RESULT ' | sed 's/^RESULT //' >> $R/dist.jsonl
@@ -37,7 +39,8 @@ for step in "$@"; do
         echo "{\"system\": \"$a\", \"model\": \"$b\", \"ranks\": $c, \"status\": \"no result (rc $rc)\"}" >> $R/dist.jsonl
       fi
       echo "rc=$rc $step"; tr '\r' '\n' < "$log" | grep '^RESULT ' | cut -c1-700 || tail -5 "$log" ;;
-    gputest) DOS_GPU_REPEATS=2 timeout $left python3 -m pytest -q -m gpu tests/gpu tests/test_host_memory.py 2>&1 \
+    topo) { nvidia-smi topo -m; lscpu | grep -iE "^(socket|numa|model name|core|thread)"; } 2>&1 | tee $R/topo.log ;;
+    gputest) DOS_GPU_REPEATS=${a:-2} timeout $left python3 -m pytest -q -m gpu tests/gpu tests/test_host_memory.py 2>&1 \
                > $R/gpu-tests.log; grep -E "^(FAILED|ERROR)|passed|failed" $R/gpu-tests.log | tail -15 ;;
     startup) timeout $left python3 -m bench.startup --sizes "$a" --single-gb 4 --optimizer "$b" \
                --out $R/startup.jsonl 2>&1 | tee $R/startup.log ;;

@@ -4,7 +4,9 @@
 
 Systems, each with every optimizer state on the host:
   ours            FSDP2 fully_shard per decoder layer and the root, bf16 sharded params and grads on the GPU,
-                  DeepOptimizerStates(schedule="auto") over each rank's shards (fp32 states pinned on the host)
+                  DeepOptimizerStates(schedule="offload") over each rank's shards (fp32 states pinned on the
+                  host; the calibrated model splits them between the CPU and staging)
+  ours_auto       the same with schedule="auto": states that fit in the GPU memory stay resident there
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -32,25 +34,33 @@ from deep_optimizer_states.tools.models import PRESETS, llama
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
 
-def _ours(preset: str, device: torch.device, micro_batch: int):
+def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload"):
     from torch.distributed.fsdp import fully_shard
 
-    from deep_optimizer_states import DeepOptimizerStates
+    from deep_optimizer_states import DeepOptimizerStates, Placement
 
     model = llama(preset, torch.bfloat16, device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule="auto")
+    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule)
 
     def extra() -> dict:
-        u = opt.last_update
+        u, plan = opt.last_update, opt.plan
         return {"update_s": u.seconds, "staged_subgroups": u.staged_subgroups, "subgroups": len(opt.layout.subgroups),
+                "resident_subgroups": plan.placements.count(Placement.RESIDENT),
+                "predicted_update_s": plan.prediction and round(plan.prediction.seconds, 4),
+                "rates": opt.planner.known_rates() and opt.planner.known_rates().as_dict(),
                 "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads()}
 
+    where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
-                "DeepOptimizerStates(schedule='auto') over each rank's shards, fp32 states pinned on the host")
+                f"DeepOptimizerStates(schedule={schedule!r}) over each rank's shards, {where}")
     return model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt, extra, settings
+
+
+def _ours_auto(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "auto")
 
 
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
@@ -89,7 +99,7 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
             lambda: {"omp_threads": os.environ.get("OMP_NUM_THREADS")}, settings)
 
 
-SYSTEMS = {"ours": _ours, "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
+SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
 
 
 def _phase(device: torch.device, fn):
@@ -108,7 +118,8 @@ def _gathered(value: float) -> list[float]:
     return out
 
 
-def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq: int) -> dict:
+def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq: int,
+        sweep: list[str | int] = ()) -> dict:
     world = dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
@@ -125,7 +136,8 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=params, settings=settings)
         ids = batch(micro_batch, seq, vocab, device)
         phases, losses = [], []
-        for _ in range(warmup + iters):
+
+        def iteration() -> None:
             loss, fwd = _phase(device, lambda: forward(ids))
             _, bwd = _phase(device, lambda: backward(loss))
 
@@ -136,14 +148,25 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
             _, upd = _phase(device, step)
             losses.append(loss.item())
             phases.append((fwd, bwd, upd))
+
+        for _ in range(warmup + iters):
+            iteration()
         measured = sorted(phases[warmup:], key=sum)
         fwd, bwd, step_s = measured[len(measured) // 2]
         peak = _gathered(torch.cuda.max_memory_allocated(device) / 1e9)
         row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
                    iter_s=round(fwd + bwd + step_s, 4),
                    iter_median_s=round(statistics.median(sum(p) for p in phases[warmup:]), 4),
-                   aggregate_update_Gparams_per_s=round(params / step_s / 1e9, 3), losses=losses,
+                   aggregate_update_Gparams_per_s=round(params / step_s / 1e9, 3), losses=list(losses),
                    peak_gpu_GB_per_rank=round(max(peak), 2), **extra())
+        row["sweep"] = {}
+        for schedule in sweep:  # the same job, other fixed schedules: where "offload" stands among them
+            opt.schedule = schedule
+            start = len(phases)
+            for _ in range(3):
+                iteration()
+            row["sweep"][str(schedule)] = {"step_s": round(statistics.median(p[2] for p in phases[start + 1:]), 4),
+                                           "staged_subgroups": opt.last_update.staged_subgroups}
     except Exception as e:  # a system that cannot run is a result too
         import traceback
 
@@ -162,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--sweep", default="", help="ours: fixed schedules to time after the run, e.g. cpu,gpu,2,3")
     args = parser.parse_args(argv)
+    sweep = [int(t) if t.isdigit() else t for t in args.sweep.split(",") if t]
     dist.init_process_group("nccl")
     try:
-        row = run(args.system, args.model, args.iters, args.warmup, args.micro_batch, args.seq)
+        row = run(args.system, args.model, args.iters, args.warmup, args.micro_batch, args.seq, sweep)
         if dist.get_rank() == 0:
             print(RESULT + json.dumps(row), flush=True)
     finally:

@@ -19,7 +19,7 @@ from .core.grad_stream import GradStream
 from .core.layout import Layout, local
 from .core.host_state import HostState, ParamState
 from .core.residency import Residents
-from .core.ranks import cpu_threads_per_rank, local_ranks, shard_group
+from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
 from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
@@ -36,7 +36,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     ``schedule`` says: "cpu" (ZeRO-Offload), "gpu" (every subgroup staged), an int k (one subgroup in every k
     staged), one placement per subgroup, or "auto": as many subgroups resident as ``gpu_memory_budget``
     leaves room for beside what forward and backward were measured to need, the rest placed by the
-    calibrated performance model (calibration runs at the first step, or at ``calibrate()``).
+    calibrated performance model (calibration runs at the first step, or at ``calibrate()``); "offload" is
+    "auto" with every state kept on the host (no residents). Under FSDP2 each rank updates its own shards
+    and the ranks calibrate together, in lock-step, so that the model prices the host they share.
 
     Results equal ``torch.optim.AdamW(fused=True)`` applied to fp32 master weights; bf16/fp16 params hold the
     masters rounded to their dtype. As in torch, a param whose ``.grad`` is None is left alone (no decay, no
@@ -121,7 +123,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe),
-                               provisional="cpu" if stream_grads else "auto")
+                               provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device))
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, lambda i: self.plan.placements[i] is Placement.CPU)
                             if stream_grads else None)

@@ -6,6 +6,8 @@ Modes:
   save   train, save a DCP checkpoint (and a single-process state_dict from rank 0), train on; rank 0 writes
          the final full params.
   load   load that DCP checkpoint on another number of ranks, train on; rank 0 writes the final full params.
+  calibrate  every rank plans together (RankSync): a stored calibration on some ranks only must not split
+         them; prints each rank's rates and how many barriers it passed, as JSON.
 """
 
 from __future__ import annotations
@@ -139,9 +141,35 @@ def load_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
     write_final(model, out, "resumed")
 
 
+def calibrate_mode(out: str) -> None:
+    """Rank 0 has a stored calibration, the others none (each its own cache folder): all must measure, in
+    lock-step, and keep the same (averaged) rates; then, with a file stored everywhere, all load it."""
+    import functools
+    import json
+
+    from deep_optimizer_states.core.ranks import RankSync
+    from deep_optimizer_states.planning import calibrate
+    from deep_optimizer_states.planning.plan import Planner
+
+    rank = dist.get_rank()
+    os.environ["DOS_CACHE_DIR"] = os.path.join(out, f"cache-{rank}")
+    if rank == 0:
+        calibrate.save(calibrate.Rates(**dict.fromkeys(calibrate.Rates.__dataclass_fields__, 7.0)), DEVICE)
+    dist.barrier()
+    sync = RankSync(dist.group.WORLD, DEVICE)
+    barriers = []
+    barrier = sync.barrier
+    sync.barrier = lambda: (barriers.append(1), barrier())[1]
+    calibrate.measure = functools.partial(calibrate.measure, numel=200_000, subgroups=4)
+    measured = Planner([1000] * 4, DEVICE, 2, sync=sync).calibrate()
+    stored = Planner([1000] * 4, DEVICE, 2, sync=sync).calibrate()  # every rank has a file now
+    print("CALIBRATE " + json.dumps({"rank": rank, "measured": measured.as_dict(), "barriers": len(barriers),
+                                     "stored": stored.as_dict()}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "save", "load"])
+    ap.add_argument("mode", choices=["train", "save", "load", "calibrate"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -161,6 +189,8 @@ def main() -> None:
             train_mode(args.steps, schedule)
         elif args.mode == "save":
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
+        elif args.mode == "calibrate":
+            calibrate_mode(args.out)
         else:
             load_mode(args.ckpt, args.before, args.after, args.out, schedule)
     finally:

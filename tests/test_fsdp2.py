@@ -55,6 +55,19 @@ def test_dcp_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, schedule):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
+def test_ranks_calibrate_together_in_lock_step_and_keep_one_result(tmp_path):
+    """A calibration stored on rank 0 only must not split the ranks (one loading, the others measuring at a
+    barrier forever): all measure, passing the same barriers, and keep the average of their rates; once
+    every rank has the stored file, all load it and measure nothing."""
+    out = torchrun(2, "calibrate", "--out", str(tmp_path))
+    rows = [json.loads(line.split("CALIBRATE ", 1)[1]) for line in out.splitlines() if "CALIBRATE " in line]
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    assert rows[0]["measured"] == rows[1]["measured"], "the ranks keep the same (averaged) rates"
+    assert set(rows[0]["measured"].values()) != {7.0}, "rank 0's stored file was not used alone"
+    assert rows[0]["barriers"] == rows[1]["barriers"] >= 11, "each rate measured after a barrier"
+    assert rows[0]["stored"] == rows[1]["stored"] == rows[0]["measured"], "then loaded from the stored files"
+
+
 def test_single_process_state_dict_from_sharded_ranks(tmp_path):
     out = tmp_path / "out"
     out.mkdir()

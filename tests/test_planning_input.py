@@ -180,7 +180,7 @@ def gpu_planner(monkeypatch, tmp_path):
     measured = []
     stored = {"rates": None}
 
-    def calibrated_rates(device, force=False, log=None):
+    def calibrated_rates(device, force=False, log=None, sync=None):
         measured.append(force)
         stored["rates"] = H200_LIKE
         return H200_LIKE

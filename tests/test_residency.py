@@ -293,6 +293,19 @@ def test_auto_keeps_everything_resident_when_it_fits_and_a_prefix_when_not():
     assert plan.prediction.seconds < _planner(tight, sizes).plan("auto").prediction.seconds
 
 
+def test_offload_keeps_every_state_on_the_host_where_auto_would_keep_them_resident():
+    sizes = [25_000_000] * 40
+    probe = FakeProbe(total=141 * GB, allocated=5 * GB, peak=20 * GB)
+    auto, offload = _planner(probe, sizes), _planner(probe, sizes)
+    auto.plan("auto")
+    offload.plan("offload")
+    assert auto.refresh(0).placements == [R] * 40
+    plan = offload.refresh(0)
+    assert R not in plan.placements and plan.prediction is not None and plan.prediction.resident == 0
+    assert plan.placements == offload.plan("offload").placements, "the model's split of the rest"
+    assert Placement.STAGED in plan.placements, "slots fit: the model stages some"
+
+
 def test_residents_shrink_when_forward_needs_more_and_return_nothing_when_none_fit():
     sizes = [25_000_000] * 40
     probe = FakeProbe(total=141 * GB, limit=60 * GB, allocated=5 * GB, peak=10 * GB)

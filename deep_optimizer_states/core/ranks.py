@@ -70,3 +70,41 @@ def all_reduce_sum_(t: torch.Tensor, group: "dist.ProcessGroup | None") -> torch
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+class RankSync:
+    """The collective decisions of the ranks that share one optimizer's plan (a no-op in one process).
+
+    Calibration under FSDP2 measures the host while every rank does the same thing at the same moment (the
+    ranks of a host share its cores, memory bandwidth and PCIe root), and every rank must take the same
+    branch: one that calibrated while another loaded a stored result would wait forever at a barrier.
+    """
+
+    def __init__(self, group: "dist.ProcessGroup | None", device: torch.device) -> None:
+        self.group, self.device = group, device
+
+    @property
+    def collective(self) -> bool:
+        return self.group is not None
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def mean(self, values: list[float]) -> list[float]:
+        """Each value averaged over the ranks."""
+        if self.group is None:
+            return list(values)
+        t = all_reduce_sum_(torch.tensor(values, dtype=torch.float64, device=self.device), self.group)
+        return (t / dist.get_world_size(self.group)).tolist()
+
+    def everyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        if self.group is None:
+            return flag
+        t = torch.tensor([0.0 if flag else 1.0], dtype=torch.float64, device=self.device)
+        return all_reduce_sum_(t, self.group).item() == 0
+
+    def anyone(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on some rank."""
+        return not self.everyone(not flag)

@@ -8,6 +8,9 @@ from typing import Sequence, Union
 # Until the calibrated performance model chooses, "auto" stages this fraction of subgroups: the best point
 # of our sweep on an H200 (1.36B params, subgroups of 25M: k=2 took 0.284 s, docs/update-phase.md).
 AUTO_STAGED_FRACTION = 0.5
+# The schedules the performance model places: "auto" keeps what fits of the states resident on the GPU and
+# splits the rest between the CPU and staging; "offload" keeps every state on the host and only splits.
+MODELLED = ("auto", "offload")
 
 
 class Placement(str, Enum):
@@ -20,8 +23,8 @@ Schedule = Union[str, int, Sequence[Union[Placement, str]]]
 
 
 def validate_schedule(schedule: Schedule) -> Schedule:
-    """Return ``schedule`` if it is "auto", "cpu", "gpu", an int k >= 1, or one placement per subgroup
-    ("cpu", "staged", "resident"; a tuple of ``Placement``); raise a ValueError otherwise."""
+    """Return ``schedule`` if it is "auto", "offload", "cpu", "gpu", an int k >= 1, or one placement per
+    subgroup ("cpu", "staged", "resident"; a tuple of ``Placement``); raise a ValueError otherwise."""
     if isinstance(schedule, (list, tuple)):
         try:
             return tuple(Placement(p) for p in schedule)
@@ -29,13 +32,13 @@ def validate_schedule(schedule: Schedule) -> Schedule:
             raise ValueError(f"a schedule given per subgroup holds 'cpu', 'staged' or 'resident' for each subgroup, "
                              f"got {list(schedule)!r}") from None
     if isinstance(schedule, bool) or not isinstance(schedule, (str, int)):
-        raise ValueError(f"schedule must be 'auto', 'cpu', 'gpu', an int k >= 1 or a placement per subgroup, "
-                         f"got {schedule!r}")
+        raise ValueError(f"schedule must be 'auto', 'offload', 'cpu', 'gpu', an int k >= 1 or a placement per "
+                         f"subgroup, got {schedule!r}")
     if isinstance(schedule, int) and schedule < 1:
         raise ValueError(f"schedule k must be >= 1 (one subgroup in every k staged to the GPU), got {schedule}")
-    if isinstance(schedule, str) and schedule not in ("auto", "cpu", "gpu"):
-        raise ValueError(f"schedule must be 'auto', 'cpu', 'gpu', an int k >= 1 or a placement per subgroup, "
-                         f"got {schedule!r}")
+    if isinstance(schedule, str) and schedule not in MODELLED + ("cpu", "gpu"):
+        raise ValueError(f"schedule must be 'auto', 'offload', 'cpu', 'gpu', an int k >= 1 or a placement per "
+                         f"subgroup, got {schedule!r}")
     return schedule
 
 
@@ -58,6 +61,6 @@ def placements(schedule: Schedule, count: int) -> list[Placement]:
         return [Placement.CPU] * count
     if schedule == "gpu":
         return [Placement.STAGED] * count
-    if schedule == "auto":
+    if schedule in MODELLED:
         return spread(count, round(count * AUTO_STAGED_FRACTION))
     return [Placement.STAGED if i % schedule == 0 else Placement.CPU for i in range(count)]

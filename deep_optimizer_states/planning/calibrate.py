@@ -24,7 +24,7 @@ from ..core.engine import Engine, Job
 from ..core.host_memory import host_empty
 from ..core.lanes import Lane
 from ..core.layout import Layout
-from ..core.ranks import local_ranks
+from ..core.ranks import RankSync, local_ranks
 from ..core.schedule import Placement, placements, spread
 from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
 
@@ -74,19 +74,31 @@ def save(rates: Rates, device: torch.device) -> Path:
     return path
 
 
-def calibrated_rates(device: torch.device, force: bool = False, log: Callable[[str], None] | None = None) -> Rates:
-    """Cached rates for this machine, measuring (and caching) them first if needed or forced."""
+def calibrated_rates(device: torch.device, force: bool = False, log: Callable[[str], None] | None = None,
+                     sync: RankSync | None = None) -> Rates:
+    """Cached rates for this machine, measuring (and caching) them first if needed or forced. With ``sync``
+    (ranks planning together, who must all call this with ``force``), the ranks measure in lock-step and
+    keep the average of their rates."""
     rates = None if force else load_cached(device)
     if rates is None:
-        rates = measure(device, log=log)
+        sync = sync or RankSync(None, device)
+        rates = measure(device, log=log, barrier=sync.barrier)
+        rates = Rates(**dict(zip(rates.as_dict(), sync.mean(list(rates.as_dict().values())))))
         save(rates, device)
     return rates
 
 
-def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: float = 0.3) -> float:
-    """work/s of ``fn`` (synchronised after each call): the median of three timed batches after a warm-up."""
+def _no_barrier() -> None:
+    pass
+
+
+def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: float = 0.3,
+          barrier: Callable[[], None] = _no_barrier) -> float:
+    """work/s of ``fn`` (synchronised after each call): the median of three timed batches after a warm-up,
+    started together with the other ranks (``barrier``) so that a shared host is measured shared."""
     fn()
     sync()
+    barrier()
     runs = []
     for _ in range(3):
         calls, t0 = 0, time.perf_counter()
@@ -99,8 +111,10 @@ def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: 
 
 
 def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
-            log: Callable[[str], None] | None = None) -> Rates:
-    """Measure every rate of ``Rates`` on ``device`` (a GPU; on the CPU the link is a host memory copy)."""
+            log: Callable[[str], None] | None = None, barrier: Callable[[], None] = _no_barrier) -> Rates:
+    """Measure every rate of ``Rates`` on ``device`` (a GPU; on the CPU the link is a host memory copy).
+    Ranks that share a host call it together with a ``barrier`` over them: each rate is then measured while
+    every rank runs the same work, which is how training will run."""
     log = log or (lambda s: None)
     cuda = device.type == "cuda"
     n = numel or (25_000_000 if cuda else 2_000_000)
@@ -111,19 +125,19 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
     start = time.perf_counter()
     p, g, m, v = (torch.randn(n) * s for s in (1.0, 1e-3, 1e-3, 1e-6))
     v.abs_()
-    raw = {"cpu_adam": _rate(lambda: adam_update(p, g, m, v, 1, _HYPER), n, sync)}
+    raw = {"cpu_adam": _rate(lambda: adam_update(p, g, m, v, 1, _HYPER), n, sync, barrier=barrier)}
     dp, dg, dm, dv = (t.to(device) for t in (p, g, m, v))
-    raw["gpu_adam"] = _rate(lambda: adam_update(dp, dg, dm, dv, 1, _HYPER), n, sync)
+    raw["gpu_adam"] = _rate(lambda: adam_update(dp, dg, dm, dv, 1, _HYPER), n, sync, barrier=barrier)
     link = _Link(device, 3 * n)
-    raw["h2d"] = _rate(link.up, 12 * n, sync)
-    raw["d2h"] = _rate(link.down, 12 * n, sync)
-    raw["bidir"] = _rate(link.both, 12 * n, sync)
+    raw["h2d"] = _rate(link.up, 12 * n, sync, barrier=barrier)
+    raw["d2h"] = _rate(link.down, 12 * n, sync, barrier=barrier)
+    raw["bidir"] = _rate(link.both, 12 * n, sync, barrier=barrier)
     del link
     half = torch.randn(n, device=device).to(torch.bfloat16)
-    raw["gpu_upcast"] = _rate(lambda: dp.copy_(half), n, sync)
+    raw["gpu_upcast"] = _rate(lambda: dp.copy_(half), n, sync, barrier=barrier)
     host_half = torch.empty(n, dtype=torch.bfloat16)
-    raw["cpu_downcast"] = _rate(lambda: host_half.copy_(p), n, sync)
-    rates = _engine_rates(device, n, subgroups, raw)
+    raw["cpu_downcast"] = _rate(lambda: host_half.copy_(p), n, sync, barrier=barrier)
+    rates = _engine_rates(device, n, subgroups, raw, barrier)
     log(f"calibrated in {time.perf_counter() - start:.1f} s ({torch.get_num_threads()} CPU threads, "
         f"{subgroups} subgroups of {n / 1e6:g}M elements):")
     for line in describe(rates):
@@ -132,7 +146,8 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
 
 
 @torch.no_grad()
-def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
+def _engine_rates(device: torch.device, n: int, count: int, raw: dict,
+                  barrier: Callable[[], None] = _no_barrier) -> Rates:
     """Run the engine on a synthetic layout: all on the CPU, all staged, and two mixes (contended rates)."""
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16)) for _ in range(count)]
     for p in params:
@@ -148,6 +163,7 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict) -> Rates:
         transfers (CPU path, staged path), CPU AdamW seconds, and the staged subgroups' window."""
         jobs = [Job(sg, place, _HYPER, 1) for sg, place in zip(layout.subgroups, places)]
         engine.update(jobs)
+        barrier()
         stats = [engine.update(jobs) for _ in range(3)]
         wall = statistics.median(s.seconds for s in stats)
         cpu_fill, link_fill = fills(sizes, places, raw_only)

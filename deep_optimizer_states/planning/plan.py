@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.ranks import RankSync
 from ..core.residency import RESIDENT_BYTES_PER_ELEMENT
-from ..core.schedule import Placement, Schedule, placements, validate_schedule
+from ..core.schedule import MODELLED, Placement, Schedule, placements, validate_schedule
 from .budget import CudaProbe, MemoryBudget
 from .perfmodel import Prediction, Rates, choose, predict
 from .refine import Refiner
@@ -53,9 +54,12 @@ class Planner:
     the link, and the link's beside the CPU."""
 
     def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None,
-                 budget: MemoryBudget | None = None, provisional: Schedule = "auto") -> None:
+                 budget: MemoryBudget | None = None, provisional: Schedule = "auto",
+                 sync: RankSync | None = None) -> None:
         """``provisional``: the fixed schedule "auto" runs until calibration ("cpu" when gradients are
-        streamed off the GPU: the first backward then keeps none of them there)."""
+        streamed off the GPU: the first backward then keeps none of them there). ``sync``: the ranks that
+        plan together (FSDP2); they decide together whether to load stored rates or to calibrate, and
+        calibrate in lock-step."""
         self.sizes, self.device, self.max_slots = sizes, device, max_slots
         self.provisional = validate_schedule(provisional)
         if budget is None:
@@ -72,6 +76,10 @@ class Planner:
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
         self.current: Plan | None = None
+        self.sync = sync or RankSync(None, device)
+        self._stored_checked = False
+        if self.sync.collective and self._gpu and rates is None:
+            self._calibrated = self._stored()  # all ranks at once, while they build the optimizer together
 
     @property
     def calibrated(self) -> Rates:
@@ -81,21 +89,30 @@ class Planner:
         return self._calibrated
 
     def _stored(self) -> Rates | None:
+        """The stored rates, if any. Ranks decide once, together (at construction or at the first
+        ``calibrate``): a file that another rank writes later must not split them."""
         from .calibrate import cache_path, load_cached
 
+        if self.sync.collective and self._stored_checked:
+            return None
         rates = load_cached(self.device)
+        if self.sync.collective:
+            self._stored_checked = True
+            if not self.sync.everyone(rates is not None):
+                rates = None
         if rates is not None:
             log.info("using the calibration stored in %s", cache_path(self.device))
         return rates
 
     def _measure(self) -> Rates:
+        """Measure the rates (every rank at once, in lock-step, then averaged over the ranks) and store them."""
         from .calibrate import cache_path, calibrated_rates
 
         if not self._announced:
             self._announced = True
             log.info("schedule 'auto': calibrating this machine's rates once (seconds); "
                      "stored in %s and reused from there", cache_path(self.device))
-        return calibrated_rates(self.device, force=True, log=log.info)
+        return calibrated_rates(self.device, force=True, log=log.info, sync=self.sync)
 
     def calibrate(self, force: bool = False) -> Rates:
         """Load this machine's rates (measure and store them if none are stored, or if ``force``) and, for
@@ -103,8 +120,8 @@ class Planner:
         if force or self._calibrated is None:
             self._calibrated = (None if force else self._stored()) or self._measure()
         self._pending = False
-        if self.current is not None and self.current.schedule == "auto":
-            self.plan("auto")
+        if self.current is not None and self.current.schedule in MODELLED:
+            self.plan(self.current.schedule)
         return self._calibrated
 
     @property
@@ -133,6 +150,8 @@ class Planner:
         if self._observed == 1 or self.device.type != "cuda":
             return
         if self._calibrated is None:
+            if self.sync.collective:  # ranks decided together at construction: loading now could split them
+                return
             from .calibrate import load_cached
 
             self._calibrated = load_cached(self.device)
@@ -145,11 +164,11 @@ class Planner:
         plan (half of the non-resident subgroups staged, no prediction) until ``refresh`` or ``calibrate``."""
         schedule = validate_schedule(schedule)
         count, pending = len(self.sizes), False
-        if schedule != "auto" or not self._gpu:
+        if schedule not in MODELLED or not self._gpu:
             self._want = 0
             places, slots = placements(schedule, count), self.slots_that_fit()
         else:
-            self._want = self.residents_that_fit()
+            self._want = self.residents_that_fit() if schedule == "auto" else 0
             rest, slots = len(self.sizes) - self._want, self.slots_that_fit()
             if not rest:
                 tail = []
@@ -174,7 +193,8 @@ class Planner:
         """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states;
         for "auto" on a GPU, calibrated first if it is still provisional, and planned again if the memory for
         residents or staging slots, or a refined rate, has changed."""
-        if self.current.schedule != "auto" or not self._gpu:
+        schedule = self.current.schedule
+        if schedule not in MODELLED or not self._gpu:
             return self.current
         self._held = resident_bytes
         if self.budget.active:
@@ -182,13 +202,14 @@ class Planner:
         now = self.factors
         moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now)
         residents = self.current.placements.count(Placement.RESIDENT)
-        if self._pending or moved or self.residents_that_fit() != residents:
-            self.plan("auto")
+        fit = self.residents_that_fit() if schedule == "auto" else 0
+        if self._pending or moved or fit != residents:
+            self.plan(schedule)
         else:
             self._want = residents
             if self.slots_that_fit() != self.current.slots:
-                self.plan("auto")
-        if self._pending:
+                self.plan(schedule)
+        if self._calibrated is None and self.sync.anyone(self._pending):  # ranks calibrate together
             self._calibrate_for_auto()
         return self.current
 
@@ -198,6 +219,8 @@ class Planner:
             self.budget.after_update()
 
     def _calibrate_for_auto(self) -> None:
+        """Calibrate now (every rank with a plan, together). A rank that runs out of memory here leaves the
+        others at a barrier: calibration runs at the first step, before memory is tight."""
         try:
             self.calibrate()
         except (MemoryError, torch.cuda.OutOfMemoryError) as e:  # no room to calibrate: keep the fixed split

@@ -17,7 +17,7 @@ GPU_BYTES_PER_PARAM = 4  # the model's bf16 params and grads stay on the GPU
 
 
 def _schedule(text: str) -> str | int:
-    """auto | cpu | gpu | k (an int >= 1)."""
+    """auto | offload | cpu | gpu | k (an int >= 1)."""
     from ..core.schedule import validate_schedule
 
     try:
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="on matrices and embeddings (default 0.1)")
     loop.add_argument("--max-grad-norm", type=_nonnegative_float, default=1.0,
                       help="global gradient-norm clipping, 0 for none (default 1.0)")
-    loop.add_argument("--schedule", type=_schedule, default="auto", help="optimizer schedule: auto | cpu | gpu | k")
+    loop.add_argument("--schedule", type=_schedule, default="auto",
+                      help="optimizer schedule: auto | offload | cpu | gpu | k")
     loop.add_argument("--gpu-memory-budget", type=positive_float, default=None, metavar="GiB",
                       help="GPU memory the optimizer may fill with resident states, model included "
                            "(default: the device less a margin)")
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--batch", type=positive_int, default=2)
     check.add_argument("--seq", type=positive_int, default=64)
     check.add_argument("--lr", type=positive_float, default=1e-3)
-    check.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
+    check.add_argument("--schedule", type=_schedule, default="auto", help="auto | offload | cpu | gpu | k")
     check.add_argument("--subgroup-size", type=positive_int, default=None,
                        help="elements (default: 1/8 of the model, <= 25M)")
     check.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -408,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = sub.add_parser("profile", help="a few iterations, then a timeline of the last one (PNG and Chrome trace)")
     profile.add_argument("--model", default=None, help="tiny | 0.5b | 1.36b | 5.2b (default: 1.36b on a GPU, else tiny)")
     profile.add_argument("--iterations", type=positive_int, default=3)
-    profile.add_argument("--schedule", type=_schedule, default="auto", help="auto | cpu | gpu | k")
+    profile.add_argument("--schedule", type=_schedule, default="auto", help="auto | offload | cpu | gpu | k")
     profile.add_argument("--micro-batch", type=positive_int, default=None, help="default: 4 on a GPU, else 2")
     profile.add_argument("--seq", type=positive_int, default=None, help="default: 1024 on a GPU, else 128")
     profile.add_argument("--out", default="profile", help="folder for timeline.png and trace.json")
