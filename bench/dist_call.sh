@@ -7,6 +7,7 @@
 #   STEP: run:SYSTEM:MODEL:RANKS[:SWEEP] | gputest[:REPEATS] | startup:SIZES:PRESETS | topo
 #   e.g. bench/dist_call.sh 560 gputest run:ours:5.2b:2:cpu,gpu,2 run:fsdp2_offload:5.2b:2 run:deepspeed:5.2b:2
 #   SWEEP (ours only): fixed schedules timed in the same job after the run, comma-separated
+#   WARMUP, ITERS (environment): iterations per run, 2 and 5 by default
 #
 # Threads: torchrun sets OMP_NUM_THREADS=1 for every rank. The peers get what their docs recommend,
 # OMP_NUM_THREADS = cores / ranks; ours runs with torchrun's default and picks its own count.
@@ -31,7 +32,7 @@ for step in "$@"; do
       [ "${a#ours}" = "$a" ] && threads="OMP_NUM_THREADS=$((cores / c))"
       log=$R/$a-$b-$c.log
       env $threads timeout $left torchrun --standalone --nproc_per_node "$c" -m bench.dist_run --system "$a" \
-          --model "$b" --warmup 2 --iters 5 --sweep "${d:-}" > "$log" 2>&1
+          --model "$b" --warmup "${WARMUP:-2}" --iters "${ITERS:-5}" --sweep "${d:-}" > "$log" 2>&1
       rc=$?
       if tr '\r' '\n' < "$log" | grep -q '^RESULT '; then
         tr '\r' '\n' < "$log" | grep '^RESULT ' | sed 's/^RESULT //' >> $R/dist.jsonl
