@@ -7,7 +7,7 @@
 #   STEP: run:SYSTEM:MODEL:RANKS[:SWEEP] | gputest[:REPEATS] | startup:SIZES:PRESETS | topo
 #   e.g. bench/dist_call.sh 560 gputest run:ours:5.2b:2:cpu,gpu,2 run:fsdp2_offload:5.2b:2 run:deepspeed:5.2b:2
 #   SWEEP (ours only): fixed schedules timed in the same job after the run, comma-separated
-#   WARMUP, ITERS (environment): iterations per run, 2 and 5 by default
+#   WARMUP, ITERS, SLOTS (environment): iterations per run (2, 5) and ours' staging slots (2)
 #
 # Threads: torchrun sets OMP_NUM_THREADS=1 for every rank. The peers get what their docs recommend,
 # OMP_NUM_THREADS = cores / ranks; ours runs with torchrun's default and picks its own count.
@@ -30,9 +30,9 @@ for step in "$@"; do
     run)
       threads=""
       [ "${a#ours}" = "$a" ] && threads="OMP_NUM_THREADS=$((cores / c))"
-      log=$R/$a-$b-$c.log
+      log=$R/$a-$b-$c-slots${SLOTS:-2}.log
       env $threads timeout $left torchrun --standalone --nproc_per_node "$c" -m bench.dist_run --system "$a" \
-          --model "$b" --warmup "${WARMUP:-2}" --iters "${ITERS:-5}" --sweep "${d:-}" > "$log" 2>&1
+          --model "$b" --warmup "${WARMUP:-2}" --iters "${ITERS:-5}" --sweep "${d:-}" --slots "${SLOTS:-2}" > "$log" 2>&1
       rc=$?
       if tr '\r' '\n' < "$log" | grep -q '^RESULT '; then
         tr '\r' '\n' < "$log" | grep '^RESULT ' | sed 's/^RESULT //' >> $R/dist.jsonl

@@ -34,6 +34,9 @@ from deep_optimizer_states.tools.models import PRESETS, llama
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
 
+STAGING_SLOTS = 2  # --slots
+
+
 def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload"):
     from torch.distributed.fsdp import fully_shard
 
@@ -43,7 +46,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule)
+    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS)
 
     def extra() -> dict:
         u, plan = opt.last_update, opt.plan
@@ -51,7 +54,8 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
                 "resident_subgroups": plan.placements.count(Placement.RESIDENT),
                 "predicted_update_s": plan.prediction and round(plan.prediction.seconds, 4),
                 "rates": opt.planner.known_rates() and opt.planner.known_rates().as_dict(),
-                "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads()}
+                "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads(),
+                "staging_slots": opt.plan.slots}
 
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
@@ -185,9 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--slots", type=int, default=2, help="ours: staging_slots")
     parser.add_argument("--sweep", default="", help="ours: fixed schedules to time after the run, e.g. cpu,gpu,2,3")
     args = parser.parse_args(argv)
     sweep = [int(t) if t.isdigit() else t for t in args.sweep.split(",") if t]
+    global STAGING_SLOTS
+    STAGING_SLOTS = args.slots
     dist.init_process_group("nccl")
     try:
         row = run(args.system, args.model, args.iters, args.warmup, args.micro_batch, args.seq, sweep)
