@@ -13,7 +13,7 @@ from torch import nn
 
 from .core import state_io
 from .core.adam import AdamHyper, check_group
-from .core.engine import Engine, Job, UpdateStats
+from .core.engine import DEFAULT_STAGING_SLOTS, Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
 from .core.grad_stream import GradStream
 from .core.layout import Layout, local
@@ -69,7 +69,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         max_grad_norm: float | None = None,
         loss_scale: str | float | None = "auto",
         nonfinite: str = "skip",
-        staging_slots: int = 2,
+        staging_slots: int = DEFAULT_STAGING_SLOTS,
         gpu_memory_budget: int | float | None = None,
         stream_grads: bool = False,
         cpu_threads: int | None = None,

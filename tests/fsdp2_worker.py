@@ -7,7 +7,7 @@ Modes:
          the final full params.
   load   load that DCP checkpoint on another number of ranks, train on; rank 0 writes the final full params.
   calibrate  every rank plans together (RankSync): a stored calibration on some ranks only must not split
-         them; prints each rank's rates and how many barriers it passed, as JSON.
+         them; writes each rank's rates and how many barriers it passed to --out, as JSON.
 """
 
 from __future__ import annotations
@@ -163,8 +163,9 @@ def calibrate_mode(out: str) -> None:
     calibrate.measure = functools.partial(calibrate.measure, numel=200_000, subgroups=4)
     measured = Planner([1000] * 4, DEVICE, 2, sync=sync).calibrate()
     stored = Planner([1000] * 4, DEVICE, 2, sync=sync).calibrate()  # every rank has a file now
-    print("CALIBRATE " + json.dumps({"rank": rank, "measured": measured.as_dict(), "barriers": len(barriers),
-                                     "stored": stored.as_dict()}), flush=True)
+    with open(os.path.join(out, f"calibrate-{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "measured": measured.as_dict(), "barriers": len(barriers),
+                   "stored": stored.as_dict()}, f)
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from deep_optimizer_states.core.engine import DEFAULT_STAGING_SLOTS
 from deep_optimizer_states.core.schedule import Placement, placements, spread
 from deep_optimizer_states.planning import calibrate
 from deep_optimizer_states.planning.perfmodel import choose, predict
@@ -73,7 +74,8 @@ def test_plan_for_a_trillion_params_answers_in_well_under_a_second(monkeypatch, 
     assert main(["plan", "--params", "1e12", "--gpu-memory-gb", "10000", "--json"]) == 0
     assert time.process_time() - t0 < 1.0
     plan = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert plan["params"] == 10**12 and 0 < plan["staged"] < plan["subgroups"] and plan["staging_slots"] == 2
+    assert plan["params"] == 10**12 and 0 < plan["staged"] < plan["subgroups"] \
+        and plan["staging_slots"] == DEFAULT_STAGING_SLOTS
     assert plan["budget"]["gpu_budget_GB"] == 10000 and plan["lower_bound_s"] <= plan["predicted_update_s"]
 
 

@@ -40,6 +40,10 @@ FP32 = torch.float32
 STAGED_BYTES = 12  # PCIe bytes per element, each direction: fp32 master, exp_avg, exp_avg_sq
 CPU_PATH_BYTES = 4  # PCIe bytes per element, each direction: fp32 grad down, fp32 master up
 GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
+# With two slots, a subgroup's way in waits for the flush of the one two places ahead: a gap per subgroup.
+# Four closed it on 2 H200s sharing one host: every 5.2B subgroup staged took 1.085 s with 2 slots and
+# 0.885-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
+DEFAULT_STAGING_SLOTS = 4
 
 
 @dataclass
@@ -155,7 +159,7 @@ class Engine:
             self._worker.shutdown(wait=True)
             self._worker = None
 
-    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = 2,
+    def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = DEFAULT_STAGING_SLOTS,
                residents: Residents | None = None, landed: dict | None = None) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and states are all updated (a resident
         subgroup's states on the GPU, the others' on the host). ``landed``: CPU subgroups whose unscaled fp32

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..core.adam import AdamHyper, adam_update
-from ..core.engine import Engine, Job
+from ..core.engine import DEFAULT_STAGING_SLOTS, Engine, Job
 from ..core.host_memory import host_empty
 from ..core.lanes import Lane
 from ..core.layout import Layout
@@ -28,7 +28,7 @@ from ..core.ranks import RankSync, local_ranks
 from ..core.schedule import Placement, placements, spread
 from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5  # 5: engine rates measured with the default staging slots (4)
 MIN_PER_SUBGROUP_S = 1e-6
 _HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
@@ -162,9 +162,9 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict,
         """Medians of three updates after a warm-up: wall seconds less each path's first and last
         transfers (CPU path, staged path), CPU AdamW seconds, and the staged subgroups' window."""
         jobs = [Job(sg, place, _HYPER, 1) for sg, place in zip(layout.subgroups, places)]
-        engine.update(jobs)
+        engine.update(jobs, max_slots=DEFAULT_STAGING_SLOTS)
         barrier()
-        stats = [engine.update(jobs) for _ in range(3)]
+        stats = [engine.update(jobs, max_slots=DEFAULT_STAGING_SLOTS) for _ in range(3)]
         wall = statistics.median(s.seconds for s in stats)
         cpu_fill, link_fill = fills(sizes, places, raw_only)
         # the first and last transfers, priced from raw rates, can exceed a tiny layout's whole update

@@ -228,6 +228,7 @@ def _budgets(params: int, device: torch.device, gpu_memory_gb: float | None) -> 
 def _plan(args: argparse.Namespace) -> int:
     """Print the schedule the model chooses for a model of ``--params`` parameters, and the bound; without a
     GPU, the CPU path's time. Exit status 1 when the model does not fit this machine's memory."""
+    from ..core.engine import DEFAULT_STAGING_SLOTS
     from ..core.schedule import placements
     from ..planning.calibrate import calibrated_rates
     from ..planning.perfmodel import choose, lower_bound, predict
@@ -256,7 +257,7 @@ def _plan(args: argparse.Namespace) -> int:
         slots = 0
         if cuda:  # what is left after bf16 params and grads (4 B/param) and scratch
             spare = gpu * GB - GPU_BYTES_PER_PARAM * params - SCRATCH_BYTES_PER_ELEMENT * sizes[0]
-            slots = int(max(0, min(2, spare // (SLOT_BYTES_PER_ELEMENT * sizes[0]))))
+            slots = int(max(0, min(DEFAULT_STAGING_SLOTS, spare // (SLOT_BYTES_PER_ELEMENT * sizes[0]))))
         if slots:
             places, pred = choose(sizes, rates, slots)
         else:  # no GPU, or no room for a staging slot: everything on the CPU path

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.core.engine import DEFAULT_STAGING_SLOTS
 from deep_optimizer_states.planning.budget import MIN_HEADROOM_BYTES
 from deep_optimizer_states.reference import ReferenceAdamW
 from tests.harness import loss_of, tiny_llama
@@ -90,7 +91,7 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
         need = torch.cuda.max_memory_allocated()
     del model, opt, ref
     model = _stack(seed)
-    update_buffers = (16 * 2 + 8 + 4) * 1_000_000  # two slots, the CPU path's and the residents' scratch
+    update_buffers = (16 * DEFAULT_STAGING_SLOTS + 8 + 4) * 1_000_000  # slots, the CPU path's and residents' scratch
     budget = need + MIN_HEADROOM_BYTES + update_buffers + 6 * numel  # about half of the states fit
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, gpu_memory_budget=budget, max_grad_norm=1.0)
     opt.calibrate()  # once per machine, before training (its own buffers are not the budget's business)
