@@ -14,7 +14,7 @@ from torch import nn
 from .core import state_io
 from .core.adam import AdamHyper, check_group
 from .core.engine import DEFAULT_STAGING_SLOTS, Engine, Job, UpdateStats
-from .core.grad_scaling import DynamicLossScaler, clip_coefficient, total_norm
+from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norms, total_norm
 from .core.grad_stream import GradStream
 from .core.layout import Layout, local
 from .core.host_state import HostState, ParamState
@@ -109,9 +109,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.group = shard_group([p for params, _ in trainable for p in params])
         if not isinstance(stream_grads, bool):
             raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
-        if stream_grads and self.group is not None:
-            raise ValueError("stream_grads=True is not supported under FSDP2 yet (its reduce-scatter assigns the "
-                             "sharded gradients): leave it False there")
         threads = cpu_threads_per_rank(cpu_threads)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -333,8 +330,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _total_norm(self) -> torch.Tensor:
         if self.grad_stream is None:
             return total_norm(self.layout.grads(), self.device, self.group)
-        norms = self.grad_stream.grad_norms()
-        return torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros((), device=self.device)
+        return combine_norms(self.grad_stream.grad_norms(), self.device, self.group)
 
     def _has_grad(self) -> list[list[bool]]:
         flags = self.layout.has_grad()

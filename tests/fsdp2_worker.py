@@ -13,6 +13,7 @@ Modes:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -71,7 +72,9 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, sharded:
         x, y = batch(step, micro)
         if sharded:
             x, y = my_rows(x), my_rows(y)
-        ((model(x) - y).pow(2).mean() / MICRO).backward()
+        last = micro == MICRO - 1
+        with opt.accumulating() if isinstance(opt, DeepOptimizerStates) and not last else contextlib.nullcontext():
+            ((model(x) - y).pow(2).mean() / MICRO).backward()
     if not sharded:
         torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     opt.step()
@@ -87,26 +90,37 @@ def write_final(model: nn.Module, out: str, what: str) -> None:
         torch.save(final, os.path.join(out, f"{what}_{dist.get_world_size()}.pt"))
 
 
-def ours(model: nn.Module, schedule) -> DeepOptimizerStates:
+def ours(model: nn.Module, schedule, stream: bool = False) -> DeepOptimizerStates:
     """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn."""
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=97, max_grad_norm=MAX_NORM,
-                              schedule="cpu" if schedule == "mixed" else schedule)
+                              schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream)
     if schedule == "mixed":
         opt.schedule = [("resident", "staged", "cpu")[i % 3] for i in range(len(opt.layout.subgroups))]
     return opt
 
 
-def train_mode(steps: int, schedule) -> None:
+def train_mode(steps: int, schedule, stream: bool) -> None:
+    """With ``stream``, a second sharded copy trains without stream_grads beside it: the two must agree bit
+    for bit (the streamed gradients and their norms take the same fp32 operations)."""
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     model = shard(make_model())
-    opt = ours(model, schedule)
+    opt = ours(model, schedule, stream)
+    twin = shard(make_model()) if stream else None
+    twin_opt = ours(twin, schedule) if stream else None
     for step in range(steps):
         train_step(model, opt, step, sharded=True)
         train_step(ref, ref_opt, step, sharded=False)
         for (name, p), want in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), want.detach(), rtol=2e-5, atol=2e-6,
                                        msg=lambda m: f"step {step}, {name}: {m}")
+        if stream:
+            train_step(twin, twin_opt, step, sharded=True)
+            assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), twin.parameters()))
+            assert opt.last_grad_norm.item() == twin_opt.last_grad_norm.item()
+    if stream:
+        assert opt.grad_stream.sent > 0, "gradients were streamed during backward"
+        print(f"rank {dist.get_rank()}: streamed {opt.grad_stream.sent} subgroups, equal bit for bit", flush=True)
     local = [p.to_local().numel() for p in model.parameters()]
     print(f"rank {dist.get_rank()}: {steps} steps equal torch AdamW; local shard sizes {local}", flush=True)
 
@@ -177,6 +191,7 @@ def main() -> None:
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--out", default="")
     ap.add_argument("--schedule", default="2")
+    ap.add_argument("--stream", action="store_true", help="train: stream_grads=True (beside a twin without)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
     schedule = int(args.schedule) if args.schedule.isdigit() else args.schedule
@@ -187,7 +202,7 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.mode == "train":
-            train_mode(args.steps, schedule)
+            train_mode(args.steps, schedule, args.stream)
         elif args.mode == "save":
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
         elif args.mode == "calibrate":

@@ -38,6 +38,16 @@ def test_fsdp2_matches_single_process_adamw_step_by_step(ranks, schedule):
     assert len(sizes) > 1, "the shards should be uneven"
 
 
+@pytest.mark.parametrize("ranks,schedule", [(2, "cpu"), (3, "mixed")])
+def test_streamed_gradients_under_fsdp2_match_adamw_and_the_unstreamed_run(ranks, schedule):
+    """stream_grads under FSDP2: its reduce-scatter runs the post-accumulate-grad hooks on the sharded params,
+    so CPU-placed subgroups go down as their shards land; clipping sums the landed norms over the ranks;
+    accumulation over two micro-batches (the first under opt.accumulating())."""
+    out = torchrun(ranks, "train", "--steps", "4", "--schedule", schedule, "--stream")
+    assert out.count("4 steps equal torch AdamW") == ranks
+    assert out.count("equal bit for bit") == ranks
+
+
 @pytest.mark.parametrize("schedule", ["2", "mixed"])
 def test_dcp_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, schedule):
     """"mixed": resident subgroups too, whose states a checkpoint reads from the GPU copy (evicted first)."""

@@ -18,11 +18,15 @@ def total_norm(grads: list[torch.Tensor], device: torch.device | None = None,
     With a process group (FSDP2), ``grads`` are this rank's shards: the squares are summed over the ranks,
     so every rank gets the norm of the whole model's gradient (and skips or clips alike).
     """
-    if not grads:
-        norm = torch.zeros((), device=device)
-    else:
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # every dtype's norm in fp32, whatever the order
-        norm = torch.linalg.vector_norm(torch.stack(norms), 2)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []  # each in fp32, whatever its dtype
+    return combine_norms(norms, device, group)
+
+
+def combine_norms(norms: list[torch.Tensor], device: torch.device | None = None,
+                  group: "dist.ProcessGroup | None" = None) -> torch.Tensor:
+    """The L2 norm of tensors whose own fp32 norms are ``norms`` (taken as gradients landed, with
+    ``stream_grads``, or all at once by ``total_norm``: the same arithmetic either way), over the ranks."""
+    norm = torch.linalg.vector_norm(torch.stack(norms), 2) if norms else torch.zeros((), device=device)
     if group is None:
         return norm
     squares = norm.square()
