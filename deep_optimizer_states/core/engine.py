@@ -41,8 +41,8 @@ STAGED_BYTES = 12  # PCIe bytes per element, each direction: fp32 master, exp_av
 CPU_PATH_BYTES = 4  # PCIe bytes per element, each direction: fp32 grad down, fp32 master up
 GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
 # With two slots, a subgroup's way in waits for the flush of the one two places ahead: a gap per subgroup.
-# Four closed it on 2 H200s sharing one host: every 5.2B subgroup staged took 1.085 s with 2 slots and
-# 0.885-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
+# Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
+# slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
 
 
