@@ -9,9 +9,12 @@ and its params are scattered back from one flat fp32 buffer. Subgroups never mix
 cut through a param (AdamW is element-wise, so that is exact).
 
 The layout also keeps the bookkeeping that makes the host copy trustworthy: each param's step count (a
-param without a gradient is left alone, as torch does), and each param's version after our last write,
-so that an edit made outside the optimizer (``model.load_state_dict``, ``p.copy_``) is taken into the
-masters instead of being undone by the next step.
+param without a gradient is left alone, as torch does), and each param's version, storage and fp32 L2 norm
+after our last write, so that an edit made outside the optimizer (``model.load_state_dict``, ``p.copy_``,
+``p.data = t``, and ``p.data.copy_(t)``, which moves no version counter that the param shares) is taken
+into the masters instead of being undone by the next step. The norms cost one multi-tensor kernel over
+the params after each write and one before each step; an edit through ``.data`` that keeps every
+param's L2 norm (a sign flip, a permutation of its elements) is not seen.
 """
 
 from __future__ import annotations
@@ -185,6 +188,7 @@ class Layout:
             for b in self.buckets:
                 for i in range(len(b.params)):
                     self.take_param(b, i)
+        self._norms = self._param_norms()
 
     def subgroups_of(self, b: Bucket, i: int) -> list[Subgroup]:
         """The subgroups that hold elements of param i of bucket b."""
@@ -208,28 +212,43 @@ class Layout:
         t = local(p)
         self._seen[id(p)] = (t._version, t.data_ptr())
 
+    @torch.no_grad()
+    def _param_norms(self) -> torch.Tensor:
+        """Every param's fp32 L2 norm, bits as int32 (so that a NaN equals itself): one multi-tensor kernel."""
+        params = [local(p).detach() for b in self.buckets for p in b.params]
+        if not params:
+            return torch.zeros(0, dtype=torch.int32)
+        return torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32)).view(torch.int32)
+
     def record_writes(self) -> None:
-        """Remember every param's version after our own writes (the update, a loaded state_dict)."""
+        """Remember every param's version, storage and norm after our own writes (the update, a loaded
+        state_dict)."""
         for b in self.buckets:
             for p in b.params:
                 self._note(p)
+        self._norms = self._param_norms()
 
     @torch.no_grad()
     def take_edits(self) -> list[str]:
         """Masters of params changed outside the optimizer since our last write := their new values.
 
         An in-place edit (``model.load_state_dict``, ``p.copy_`` under no_grad) bumps the param's version;
-        a new tensor behind it (``p.data = t``) changes its storage. Returns the edited params' names.
+        a new tensor behind it (``p.data = t``) changes its storage; an edit through ``p.data`` moves neither
+        but changes the param's norm. Returns the edited params' names.
         """
-        edited = []
+        now = self._param_norms()
+        moved = (now != self._norms).tolist()  # one device sync
+        edited, k = [], 0
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 t = local(p)
-                if self._seen[id(p)] != (t._version, t.data_ptr()):
+                if moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
                     if self.before_host_write is not None:
                         self.before_host_write(b, i)
                     self.take_param(b, i)
                     edited.append(b.names[i])
+                k += 1
+        self._norms = now
         return edited
 
     def check_unchanged(self, module: torch.nn.Module | None) -> None:
