@@ -180,7 +180,7 @@ def test_engine_telemetry_has_the_staged_window_and_lane_times():
     opt.step()
     u = opt.last_update
     assert 0 < u.staged_window_s <= u.seconds
-    assert set(u.lane_seconds) == {"grads_down", "params_up", "stage_in", "gpu", "stage_out"}
+    assert set(u.lane_seconds) == {"grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident"}
     assert u.lane_seconds["stage_in"] > 0 and u.cpu_adam_seconds > 0
     opt.schedule = "cpu"
     opt.step()

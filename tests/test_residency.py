@@ -82,6 +82,24 @@ def test_all_resident_equals_adamw_and_states_stay_on_the_device():
     assert len(opt.residents) == 0 and opt.residents.counters.evicted == count
 
 
+def test_residents_run_on_a_stream_of_their_own_beside_the_staged_kernels():
+    """The staged subgroups' GPU work must not queue behind the residents' (the link would idle): each kind
+    of subgroup runs on its own lane (streams on a GPU; the same code in program order here)."""
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, schedule="cpu")
+    count = len(opt.layout.subgroups)
+    opt.schedule = [(R, S, C)[i % 3] for i in range(count)]
+    opt.engine.trace = True
+    ref = _lockstep(model, opt, steps=2)
+    lanes = {}
+    for block in opt.last_update.timeline:
+        lanes.setdefault(block["label"], set()).add(block["lane"])
+    for i, place in enumerate(opt.placements):
+        want = {R: {"resident"}, S: {"stage_in", "gpu", "stage_out"}, C: {"grads_down", "cpu_adam", "params_up"}}
+        assert lanes[f"sg{i}"] == want[place], (i, place, lanes[f"sg{i}"])
+    ref.assert_matches()
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_placements_changing_every_step_equal_adamw(seed):
     """Random placements per step: a subgroup goes resident, back to the host, staged, and resident again."""

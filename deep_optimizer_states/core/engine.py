@@ -9,10 +9,11 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
                [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
                [stage_out]  slot -> host master/exp_avg/exp_avg_sq, then the slot is free again
   resident:    [stage_in]   only when just admitted: host states -> its GPU states (kept across steps)
-               [gpu]        grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
+               [resident]   grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
 
 The main thread enqueues the residents, then the staged pipeline at once (slots bound how far it runs
-ahead); the CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones
+ahead); the residents have a stream of their own, so a staged subgroup's kernels never queue behind them
+(the link would idle meanwhile); the CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones
 on their way down, so grads trickle at the CPU's pace instead of crowding the link and host memory at the
 start (with ``stream_grads`` they went down during backward: ``landed``). While the CPU
 updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs in program
@@ -144,8 +145,9 @@ class Engine:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.lanes = {name: Lane(device) for name in ("grads_down", "params_up", "stage_in", "gpu", "stage_out")}
-        self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out = self.lanes.values()
+        names = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident")
+        self.lanes = {name: Lane(device) for name in names}
+        self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out, self.resident = self.lanes.values()
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam", initializer=torch.cuda.set_device,
                                            initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
@@ -281,8 +283,8 @@ class Engine:
         if fresh:
             with self.stage_in.run(f"sg{sg.index}"):
                 residents.copy_in(sg)
-            self.gpu.wait(self.stage_in.record())
-        with self.gpu.run(f"sg{sg.index}"):
+            self.resident.wait(self.stage_in.record())
+        with self.resident.run(f"sg{sg.index}"):
             g = grads[: sg.numel]
             _grads_fp32(g, sg, None, multipliers)
             job.adam(p, g, m, v)

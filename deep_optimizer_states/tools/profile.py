@@ -20,10 +20,10 @@ import torch
 from ..optimizer import DeepOptimizerStates
 from .models import llama
 
-LANES = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "cpu_adam")
+LANES = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident", "cpu_adam")
 COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "update": "#55a868", "grads_down": "#8172b3",
           "params_up": "#937860", "stage_in": "#da8bc3", "gpu": "#c44e52", "stage_out": "#8c8c8c",
-          "cpu_adam": "#ccb974"}
+          "resident": "#64b5cd", "cpu_adam": "#ccb974"}
 
 
 SAMPLE_EVERY_S = 0.001  # the memory sampler's period during the traced iteration
