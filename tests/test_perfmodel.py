@@ -162,6 +162,15 @@ def test_calibration_measures_positive_rates_and_caches_them(tmp_path, monkeypat
     assert calibrate.calibrated_rates(cpu) == rates  # from the cache, not measured again
 
 
+def test_residents_are_priced_at_the_calibrated_resident_rate_else_at_the_kernel_rate():
+    sizes, places = equal(8), [Placement.RESIDENT] * 8
+    unmeasured = predict(sizes, places, H200_LIKE)
+    assert unmeasured.gpu_s == pytest.approx(sum(sizes) / H200_LIKE.gpu_adam)
+    measured = replace(H200_LIKE, resident=H200_LIKE.gpu_adam / 3)  # gather + scatter cost beside the kernel
+    assert predict(sizes, places, measured).gpu_s == pytest.approx(3 * unmeasured.gpu_s)
+    assert predict(sizes, places, measured).bottleneck == "gpu"
+
+
 def test_optimizer_exposes_its_plan_and_replans_on_schedule_change():
     opt = DeepOptimizerStates(mlp(), subgroup_size=1500)
     assert opt.plan.schedule == "auto" and len(opt.plan.placements) == len(opt.layout.subgroups)

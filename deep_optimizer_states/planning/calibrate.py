@@ -23,13 +23,15 @@ from ..core.adam import AdamHyper, adam_update
 from ..core.engine import DEFAULT_STAGING_SLOTS, Engine, Job
 from ..core.host_memory import host_empty
 from ..core.lanes import Lane
+from ..core.residency import Residents
 from ..core.layout import Layout
 from ..core.ranks import RankSync, local_ranks
 from ..core.schedule import Placement, placements, spread
 from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
 
-CACHE_VERSION = 5  # 5: engine rates measured with the default staging slots (4)
+CACHE_VERSION = 6  # 5: engine rates with the default staging slots (4); 6: the resident path's rate
 MIN_PER_SUBGROUP_S = 1e-6
+RESIDENT_SUBGROUPS = 4  # of the synthetic layout, timed resident (their states take 12 B/element of GPU memory)
 _HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
 
@@ -56,8 +58,9 @@ def load_cached(device: torch.device) -> Rates | None:
         if data.get("version") != CACHE_VERSION or data.get("fingerprint") != fingerprint(device):
             raise ValueError("stale: made by another version or for another machine")
         rates = Rates(**data["rates"])
-        if not all(isinstance(v, (int, float)) and v > 0 for v in rates.as_dict().values()):
-            raise ValueError("rates must be positive numbers")
+        if not all(isinstance(v, (int, float)) and (v > 0 or (k == "resident" and v == 0))
+                   for k, v in rates.as_dict().items()):
+            raise ValueError("rates must be positive numbers (the resident rate may be 0: not measured)")
         return rates
     except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         warnings.warn(f"ignoring the calibration cache {path}: {e}; recalibrating")
@@ -190,7 +193,24 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict,
     window = max(run(cpu_bound)[3], 1e-9)
     staged_bytes = STAGED_BYTES * (total - on_cpu(cpu_bound))
     return Rates(**raw, cpu_engine=total / cpu_s, cpu_contended=cpu_contended, link=STAGED_BYTES * total / link_body,
-                 link_contended=staged_bytes / window + CPU_PATH_BYTES * cpu_contended, per_subgroup_s=per_subgroup_s)
+                 link_contended=staged_bytes / window + CPU_PATH_BYTES * cpu_contended, per_subgroup_s=per_subgroup_s,
+                 resident=_resident_rate(engine, layout.subgroups[:RESIDENT_SUBGROUPS], barrier))
+
+
+def _resident_rate(engine: Engine, subgroups: list, barrier: Callable[[], None]) -> float:
+    """Elements/s of the resident path in the engine (gather and up-cast the gradients, AdamW, scatter the
+    params, on the GPU): the median of three in-place updates after the one that admits them. 0.0 (priced
+    as the GPU AdamW kernel) when they found no GPU memory; every rank passes the same barriers either way."""
+    jobs = [Job(sg, Placement.RESIDENT, _HYPER, 1) for sg in subgroups]
+    residents = Residents(engine.device)
+    with warnings.catch_warnings():  # a failed admission warns; here it only means "not measured"
+        warnings.simplefilter("ignore")
+        engine.update(jobs, residents=residents)
+        barrier()
+        stats = [engine.update(jobs, residents=residents) for _ in range(3)]
+    if any(s.resident_subgroups != len(jobs) for s in stats):
+        return 0.0
+    return sum(sg.numel for sg in subgroups) / statistics.median(s.seconds for s in stats)
 
 
 class _Link:
@@ -223,6 +243,7 @@ def describe(r: Rates) -> list[str]:
             f"  in the engine, CPU path only {r.cpu_engine / 1e9:7.2f} G elements/s",
             f"  in the engine, link busy     {r.cpu_contended / 1e9:7.2f} G elements/s",
             f"GPU fused AdamW kernel         {r.gpu_adam / 1e9:7.2f} G elements/s",
+            f"  resident path in the engine  {r.resident / 1e9:7.2f} G elements/s (0: not measured)",
             f"host->GPU pinned copy          {r.h2d / 1e9:7.2f} GB/s",
             f"GPU->host pinned copy          {r.d2h / 1e9:7.2f} GB/s",
             f"both directions at once        {r.bidir / 1e9:7.2f} GB/s each way",

@@ -8,7 +8,8 @@ time from the engine's telemetry. Raw kernel and copy rates are measured too, fo
 
 Per element: a CPU-placed subgroup moves 4 B down (fp32 grad) and 4 B up (fp32 master) and costs one CPU
 AdamW element; a staged one moves 12 B each way (master, exp_avg, exp_avg_sq) and one GPU AdamW element;
-a resident one costs one GPU AdamW element only. The update runs in two phases: while both the CPU and
+a resident one costs the GPU its gather, AdamW and scatter (the engine's calibrated resident rate) and no
+PCIe traffic. The update runs in two phases: while both the CPU and
 the link have work, both run at their contended rates; whichever finishes first leaves the other to run
 alone. The link's work is the staged bytes plus the CPU path's own (4 B per element each way). Pipeline
 fill and drain (the first transfer before the CPU or the link can start, the last one after) and a fixed
@@ -46,6 +47,12 @@ class Rates:
     gpu_upcast: float  # GPU bf16 -> fp32 (elements/s)
     cpu_downcast: float  # CPU fp32 -> bf16 (elements/s), for reference: the engine casts on the GPU
     per_subgroup_s: float  # fixed cost of one CPU subgroup (event wait, dispatch)
+    resident: float = 0.0  # the engine's resident path (gather, up-cast, AdamW, scatter); 0: not measured
+
+    @property
+    def resident_path(self) -> float:
+        """Elements/s of a resident update: measured, else (an older calibration) the AdamW kernel's."""
+        return self.resident or self.gpu_adam
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -134,7 +141,7 @@ def price(k: Counts, r: Rates, slots: int = 2) -> Prediction:
                                           link_work, r.link_contended / turns, r.link / turns)
     else:  # the CPU path alone: its rate already includes its own light traffic
         cpu_body, link_body = c / r.cpu_engine, link_work / r.link
-    gpu_s = (s + resident) / r.gpu_adam + (s + c) / r.gpu_upcast
+    gpu_s = s / r.gpu_adam + resident / r.resident_path + (s + c) / r.gpu_upcast
     cpu_fill, link_fill = _fills(k, r)
     cpu_fill += k.cpu * r.per_subgroup_s
     seconds = max(cpu_body + cpu_fill, link_body + link_fill, gpu_s)
