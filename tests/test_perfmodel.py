@@ -116,6 +116,23 @@ def test_choice_is_never_worse_than_brute_force_over_k(seed):
     assert places == spread(count, chosen.staged)
 
 
+@pytest.mark.parametrize("resident_count", [0, 30, 90])
+def test_choice_beside_residents_is_the_best_spread_counting_their_gpu_time(resident_count):
+    """With a slow resident path the GPU can bound the update: the choice must see the residents' GPU time
+    (every spread of the rest priced with the residents in front, as the plan runs it)."""
+    rates = replace(H200_LIKE, resident=5e9)
+    tail = equal(40)
+    prefix = [Placement.RESIDENT] * resident_count
+    sizes = equal(resident_count) + tail
+    brute = min(predict(sizes, prefix + spread(40, s), rates).seconds for s in range(41))
+    places, chosen = choose(tail, rates, 2, sum(equal(resident_count)))
+    assert predict(sizes, prefix + places, rates).seconds == pytest.approx(brute, rel=1e-12)
+    assert chosen.seconds == pytest.approx(brute, rel=1e-12)
+    if resident_count == 90:  # 2.25e9 resident elements at 5 G/s: the GPU bounds; staging would add to it
+        assert predict(sizes, prefix + places, rates).bottleneck == "gpu"
+        assert chosen.staged < choose(tail, rates)[1].staged
+
+
 def test_lower_bound_is_below_every_plan():
     sizes = equal(55)
     bound, fraction = lower_bound(sum(sizes), H200_LIKE)

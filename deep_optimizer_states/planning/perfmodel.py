@@ -151,16 +151,17 @@ def price(k: Counts, r: Rates, slots: int = 2) -> Prediction:
                       max(busy, key=busy.get), k.staged, k.cpu, k.resident)
 
 
-def choose(sizes: Sequence[int], r: Rates, slots: int = 2) -> tuple[list[Placement], Prediction]:
-    """The placement with the least predicted time over every count of staged subgroups, spread evenly.
+def choose(sizes: Sequence[int], r: Rates, slots: int = 2, resident: int = 0) -> tuple[list[Placement], Prediction]:
+    """The placement with the least predicted time over every count of staged subgroups, spread evenly,
+    beside ``resident`` elements updated resident (their GPU time counts, they are not placed here).
 
     Every count is priced at once from its sums and end subgroups (``_times_by_count``): a few vector
     operations over the counts instead of a placement list per count. The winner (the smallest count among
-    equal times) gets the same prediction as ``predict`` gives its placement.
+    equal times) gets the same prediction as ``predict`` gives its placement with the residents.
     """
     table = torch.tensor(sizes, dtype=torch.int64)
-    staged = int(torch.argmin(_times_by_count(table, r, slots)))
-    return spread(len(sizes), staged), price(_spread_counts(table, staged), r, slots)
+    staged = int(torch.argmin(_times_by_count(table, r, slots, resident)))
+    return spread(len(sizes), staged), price(_spread_counts(table, staged, resident), r, slots)
 
 
 def _marks_below(table: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -176,21 +177,22 @@ def _marks_below(table: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _spread_counts(table: torch.Tensor, staged: int) -> Counts:
-    """``counts(sizes, spread(len(sizes), staged))`` without the placement list."""
+def _spread_counts(table: torch.Tensor, staged: int, resident: int = 0) -> Counts:
+    """``counts(sizes, spread(len(sizes), staged))`` without the placement list, beside ``resident``
+    elements (their subgroups' count is not needed: nothing is priced per resident subgroup)."""
     count, total = len(table), int(table.sum())
     if staged == 0:
-        return Counts(total, 0, 0, count, 0, 0, int(table[0]), int(table[-1]))
+        return Counts(total, 0, resident, count, 0, 0, int(table[0]), int(table[-1]))
     staged_sum = int(_marks_below(table, torch.tensor([staged]))[0])
     first, last = int(table[0]), int(table[((staged - 1) * count) // staged])
     if staged == count:
-        return Counts(0, staged_sum, 0, 0, count, 0, 0, 0, first, last)
+        return Counts(0, staged_sum, resident, 0, count, 0, 0, 0, first, last)
     first_cpu = int(table[-(-staged // (count - staged))])
-    return Counts(total - staged_sum, staged_sum, 0, count - staged, staged, 0, first_cpu, int(table[-1]), first,
-                  last)
+    return Counts(total - staged_sum, staged_sum, resident, count - staged, staged, 0, first_cpu, int(table[-1]),
+                  first, last)
 
 
-def _times_by_count(table: torch.Tensor, r: Rates, slots: int) -> torch.Tensor:
+def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0) -> torch.Tensor:
     """``price(_spread_counts(table, s), r, slots).seconds`` for every s in 0..count, in float64 with the same
     operations in the same order as ``price``, so the times are identical. With s in 1..count-1, the first
     staged subgroup is 0, the last one (s - 1) * count // s, the first on the CPU ceil(s / (count - s)) and
@@ -198,8 +200,8 @@ def _times_by_count(table: torch.Tensor, r: Rates, slots: int) -> torch.Tensor:
     count = len(table)
     f64 = torch.float64
     out = torch.empty(count + 1, dtype=f64)
-    out[0] = price(_spread_counts(table, 0), r, slots).seconds
-    out[count] = price(_spread_counts(table, count), r, slots).seconds
+    out[0] = price(_spread_counts(table, 0, resident), r, slots).seconds
+    out[count] = price(_spread_counts(table, count, resident), r, slots).seconds
     if count == 1:
         return out
     s = torch.arange(1, count, dtype=torch.int64)  # the mixes: at least one subgroup on each path
@@ -215,7 +217,7 @@ def _times_by_count(table: torch.Tensor, r: Rates, slots: int) -> torch.Tensor:
     together = torch.minimum(c / r.cpu_contended, link_work / rate_b)
     cpu_body = together + (c - r.cpu_contended * together) / r.cpu_engine
     link_body = together + (link_work - rate_b * together) / alone_b
-    gpu_s = st / r.gpu_adam + float(total) / r.gpu_upcast
+    gpu_s = st / r.gpu_adam + resident / r.resident_path + float(total) / r.gpu_upcast
     cpu_fill = CPU_PATH_BYTES * (first_cpu / r.d2h + float(table[-1]) / r.h2d)
     link_fill = STAGED_BYTES * float(table[0]) / r.h2d + last_staged / r.gpu_adam
     cpu_fill = cpu_fill + (count - s).to(f64) * r.per_subgroup_s

@@ -180,7 +180,7 @@ class Planner:
                 if self._calibrated is None:
                     tail, pending = placements(self.provisional, rest), True
                 else:
-                    tail = choose(self.sizes[self._want:], self.rates, slots)[0]
+                    tail = choose(self.sizes[self._want:], self.rates, slots, sum(self.sizes[: self._want]))[0]
             places = [Placement.RESIDENT] * self._want + tail
         rates = self.known_rates()
         pred = predict(self.sizes, places, rates, max(slots, 1)) if rates and not pending else None
