@@ -6,6 +6,7 @@ Modes:
   save   train, save a DCP checkpoint (and a single-process state_dict from rank 0), train on; rank 0 writes
          the final full params.
   load   load that DCP checkpoint on another number of ranks, train on; rank 0 writes the final full params.
+  mixed_precision  fp32 shards, bf16 compute, fp32 reduce (MixedPrecisionPolicy) against torch AdamW on a twin.
   calibrate  every rank plans together (RankSync): a stored calibration on some ranks only must not split
          them; writes each rank's rates and how many barriers it passed to --out, as JSON.
 """
@@ -47,12 +48,12 @@ def make_model() -> nn.Module:
                          nn.Linear(31, 5)).to(DEVICE)
 
 
-def shard(model: nn.Module) -> nn.Module:
+def shard(model: nn.Module, **kwargs) -> nn.Module:
     mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
     for layer in model:
         if any(True for _ in layer.parameters()):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return model
 
 
@@ -125,6 +126,30 @@ def train_mode(steps: int, schedule, stream: bool) -> None:
     print(f"rank {dist.get_rank()}: {steps} steps equal torch AdamW; local shard sizes {local}", flush=True)
 
 
+def mixed_precision_mode(steps: int, schedule) -> None:
+    """torchtitan's setting: fp32 sharded params, bf16 compute, fp32 reduce-scatter
+    (MixedPrecisionPolicy). Ours on those shards must follow torch.optim.AdamW on a twin sharded alike."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model, twin = shard(make_model(), mp_policy=policy), shard(make_model(), mp_policy=policy)
+    opt = ours(model, schedule)
+    ref_opt = torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=WD, foreach=True)
+    for step in range(steps):
+        train_step(model, opt, step, sharded=True)
+        ref_opt.zero_grad()
+        for micro in range(MICRO):
+            x, y = (my_rows(t) for t in batch(step, micro))
+            ((twin(x) - y).pow(2).mean() / MICRO).backward()
+        torch.nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM)
+        ref_opt.step()
+        for (name, p), want in zip(model.named_parameters(), twin.parameters()):
+            assert p.dtype == torch.float32
+            torch.testing.assert_close(p.to_local(), want.to_local(), rtol=2e-5, atol=2e-6,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+    print(f"rank {dist.get_rank()}: {steps} mixed-precision steps equal torch AdamW", flush=True)
+
+
 def save_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
     model = shard(make_model())
     opt = ours(model, schedule)
@@ -184,7 +209,7 @@ def calibrate_mode(out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "save", "load", "calibrate"])
+    ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -207,6 +232,8 @@ def main() -> None:
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
         elif args.mode == "calibrate":
             calibrate_mode(args.out)
+        elif args.mode == "mixed_precision":
+            mixed_precision_mode(args.steps, schedule)
         else:
             load_mode(args.ckpt, args.before, args.after, args.out, schedule)
     finally:

@@ -48,6 +48,12 @@ def test_streamed_gradients_under_fsdp2_match_adamw_and_the_unstreamed_run(ranks
     assert out.count("equal bit for bit") == ranks
 
 
+def test_mixed_precision_policy_shards_match_torch_adamw():
+    """torchtitan's setting: fp32 sharded params, bf16 all-gather and compute, fp32 reduce-scatter."""
+    out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed")
+    assert out.count("4 mixed-precision steps equal torch AdamW") == 2
+
+
 @pytest.mark.parametrize("schedule", ["2", "mixed"])
 def test_dcp_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, schedule):
     """"mixed": resident subgroups too, whose states a checkpoint reads from the GPU copy (evicted first)."""
