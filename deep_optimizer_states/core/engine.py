@@ -13,11 +13,11 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
 
 The main thread enqueues the residents, then the staged pipeline at once (slots bound how far it runs
 ahead); the residents have a stream of their own, so a staged subgroup's kernels never queue behind them
-(the link would idle meanwhile); the CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones
-on their way down, so grads trickle at the CPU's pace instead of crowding the link and host memory at the
-start (with ``stream_grads`` they went down during backward: ``landed``). While the CPU
-updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs in program
-order and the worker runs inline: the same code, synchronous.
+(the link would idle meanwhile). The CPU worker takes CPU subgroups in order and keeps the gradients of
+the next GRAD_LOOKAHEAD ones on their way down, so grads trickle at the CPU's pace instead of crowding the
+link and host memory at the start (with ``stream_grads`` they went down during backward: ``landed``).
+While the CPU updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs
+in program order and the worker runs inline: the same code, synchronous.
 """
 
 from __future__ import annotations
