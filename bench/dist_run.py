@@ -7,6 +7,7 @@ Systems, each with every optimizer state on the host:
                   DeepOptimizerStates(schedule="offload") over each rank's shards (fp32 states pinned on the
                   host; the calibrated model splits them between the CPU and staging)
   ours_auto       the same with schedule="auto": states that fit in the GPU memory stay resident there
+  ours_stream     "ours" with stream_grads=True: the CPU path's gradient shards go to the host during backward
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -37,7 +38,7 @@ LR, WEIGHT_DECAY = 1e-4, 0.01
 STAGING_SLOTS = 2  # --slots
 
 
-def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload"):
+def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload", stream: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
@@ -46,7 +47,8 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS)
+    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS,
+                              stream_grads=stream)
 
     def extra() -> dict:
         u, plan = opt.last_update, opt.plan
@@ -59,12 +61,16 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
 
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
-                f"DeepOptimizerStates(schedule={schedule!r}) over each rank's shards, {where}")
+                f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream}) over each rank's shards, {where}")
     return model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt, extra, settings
 
 
 def _ours_auto(preset: str, device: torch.device, micro_batch: int):
     return _ours(preset, device, micro_batch, "auto")
+
+
+def _ours_stream(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "offload", stream=True)
 
 
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
@@ -103,7 +109,8 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
             lambda: {"omp_threads": os.environ.get("OMP_NUM_THREADS")}, settings)
 
 
-SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
+SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "ours_stream": _ours_stream, "fsdp2_offload": _fsdp2_offload,
+           "deepspeed": _deepspeed}
 
 
 def _phase(device: torch.device, fn):

@@ -8,7 +8,7 @@ from tests.test_fsdp2 import torchrun
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
-@pytest.mark.parametrize("schedule", ["cpu", "2", "gpu", "auto"])
+@pytest.mark.parametrize("schedule", ["cpu", "2", "gpu", "auto", "offload"])
 def test_fsdp2_on_two_gpus_matches_adamw(schedule):
     out = torchrun(2, "train", "--steps", "8", "--schedule", schedule, "--device", "cuda")
     assert out.count("8 steps equal torch AdamW") == 2
@@ -23,3 +23,16 @@ def test_dcp_resharding_on_gpus(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(a, torch.load(tmp_path / "resumed_2.pt")))
     for x, y in zip(a, torch.load(tmp_path / "resumed_1.pt")):
         torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cpu", "mixed"])
+def test_streamed_gradients_under_fsdp2_on_two_gpus(schedule):
+    """The post-accumulate-grad hooks run by FSDP2's reduce-scatter (on its own stream), gradients copied on
+    ours: equal to torch AdamW and bit for bit to the unstreamed run."""
+    out = torchrun(2, "train", "--steps", "6", "--schedule", schedule, "--stream", "--device", "cuda")
+    assert out.count("6 steps equal torch AdamW") == 2 and out.count("equal bit for bit") == 2
+
+
+def test_mixed_precision_policy_on_two_gpus():
+    out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed", "--device", "cuda")
+    assert out.count("4 mixed-precision steps equal torch AdamW") == 2
