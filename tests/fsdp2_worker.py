@@ -7,6 +7,7 @@ Modes:
          the final full params.
   load   load that DCP checkpoint on another number of ranks, train on; rank 0 writes the final full params.
   mixed_precision  fp32 shards, bf16 compute, fp32 reduce (MixedPrecisionPolicy) against torch AdamW on a twin.
+  nonfinite  an inf in one rank's gradients: every rank skips that step, then all follow torch AdamW.
   calibrate  every rank plans together (RankSync): a stored calibration on some ranks only must not split
          them; writes each rank's rates and how many barriers it passed to --out, as JSON.
 """
@@ -150,6 +151,44 @@ def mixed_precision_mode(steps: int, schedule) -> None:
     print(f"rank {dist.get_rank()}: {steps} mixed-precision steps equal torch AdamW", flush=True)
 
 
+def nonfinite_mode(steps: int, schedule, stream: bool) -> None:
+    """An inf in one rank's gradient shard at step 2: every rank must skip that step (the norm is global), so
+    the ranks never diverge, and training continues equal to torch AdamW that skipped the same step."""
+    import warnings
+
+    ref = make_model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    model = shard(make_model())
+    poison = {"now": False}
+    if dist.get_rank() == dist.get_world_size() - 1:  # the last rank only, in its own shard after the
+        target = next(p for p in model.parameters() if p.to_local().numel())  # reduce-scatter (FSDP2 runs
+        target.register_post_accumulate_grad_hook(  # this hook before ours, registered later)
+            lambda p: p.grad.to_local().view(-1)[0].fill_(float("inf")) if poison["now"] else None)
+    opt = ours(model, schedule, stream)
+    for step in range(steps):
+        before = [p.to_local().clone() for p in model.parameters()]
+        opt.zero_grad()
+        for micro in range(MICRO):
+            x, y = (my_rows(t) for t in batch(step, micro))
+            last = micro == MICRO - 1
+            poison["now"] = step == 2 and last
+            with opt.accumulating() if not last else contextlib.nullcontext():
+                ((model(x) - y).pow(2).mean() / MICRO).backward()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            opt.step()
+        if step == 2:
+            assert all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters())), "not skipped"
+            continue
+        train_step(ref, ref_opt, step, sharded=False)
+        for (name, p), want in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.full_tensor(), want.detach(), rtol=2e-5, atol=2e-6,
+                                       msg=lambda m: f"step {step}, {name}: {m}")
+    assert opt.skipped_steps == 1
+    print(f"rank {dist.get_rank()}: skipped the poisoned step with the others, {steps - 1} steps equal torch AdamW",
+          flush=True)
+
+
 def save_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
     model = shard(make_model())
     opt = ours(model, schedule)
@@ -209,7 +248,7 @@ def calibrate_mode(out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision"])
+    ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -234,6 +273,8 @@ def main() -> None:
             calibrate_mode(args.out)
         elif args.mode == "mixed_precision":
             mixed_precision_mode(args.steps, schedule)
+        elif args.mode == "nonfinite":
+            nonfinite_mode(args.steps, schedule, args.stream)
         else:
             load_mode(args.ckpt, args.before, args.after, args.out, schedule)
     finally:

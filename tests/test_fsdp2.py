@@ -48,6 +48,14 @@ def test_streamed_gradients_under_fsdp2_match_adamw_and_the_unstreamed_run(ranks
     assert out.count("equal bit for bit") == ranks
 
 
+@pytest.mark.parametrize("ranks,schedule,stream", [(2, "2", False), (3, "mixed", False), (2, "cpu", True)])
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks, schedule, stream):
+    """The inf/nan check reads the global norm: a rank whose own shard is finite must skip too, or the
+    ranks' params would diverge."""
+    out = torchrun(ranks, "nonfinite", "--steps", "5", "--schedule", schedule, *(["--stream"] if stream else []))
+    assert out.count("skipped the poisoned step with the others, 4 steps equal torch AdamW") == ranks
+
+
 def test_mixed_precision_policy_shards_match_torch_adamw():
     """torchtitan's setting: fp32 sharded params, bf16 all-gather and compute, fp32 reduce-scatter."""
     out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed")

@@ -36,3 +36,10 @@ def test_streamed_gradients_under_fsdp2_on_two_gpus(schedule):
 def test_mixed_precision_policy_on_two_gpus():
     out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed", "--device", "cuda")
     assert out.count("4 mixed-precision steps equal torch AdamW") == 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["gathered", "streamed"])
+def test_an_inf_on_one_gpu_skips_the_step_on_both(stream):
+    out = torchrun(2, "nonfinite", "--steps", "5", "--schedule", "mixed", *(["--stream"] if stream else []),
+                   "--device", "cuda")
+    assert out.count("skipped the poisoned step with the others, 4 steps equal torch AdamW") == 2
