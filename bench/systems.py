@@ -50,17 +50,19 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
                    settings=settings)
 
 
-def ours(schedule: str, stream_grads: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+def ours(schedule: str, stream_grads: bool = False,
+         overlap: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
-                                  stream_grads=stream_grads)
+                                  stream_grads=stream_grads, overlap=overlap)
 
         def step():
             opt.step()
             opt.zero_grad()
 
         def extra() -> dict:
+            opt.synchronize()  # with overlap, the last update may still run
             u = opt.last_update
             mem = opt.memory()
             info = {"pcie_h2d_GB": u.h2d_bytes / 1e9, "pcie_d2h_GB": u.d2h_bytes / 1e9,
@@ -82,7 +84,8 @@ def ours(schedule: str, stream_grads: bool = False) -> Callable[[str, torch.devi
 
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
-                       f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}), bf16 params, "
+                       f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}), "
+                       "bf16 params, "
                        "fp32 masters on the host")
     return build
 
@@ -183,6 +186,9 @@ def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]
 SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_auto": ours("auto"),
     "ours_auto_stream": ours("auto", stream_grads=True),
+    "ours_auto_overlap": ours("auto", overlap=True),
+    "ours_offload": ours("offload"),
+    "ours_offload_overlap": ours("offload", stream_grads=True, overlap=True),
     "ours_cpu": ours("cpu"),
     "ours_gpu": ours("gpu"),
     "deepspeed_zero3_offload": deepspeed_zero3(1.0),

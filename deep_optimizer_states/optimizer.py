@@ -16,8 +16,10 @@ from .core.adam import AdamHyper, check_group
 from .core.engine import DEFAULT_STAGING_SLOTS, Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norms, total_norm
 from .core.grad_stream import GradStream
-from .core.layout import Layout, local
 from .core.host_state import HostState, ParamState
+from .core.lanes import current_point
+from .core.layout import Layout, local
+from .core.overlap import UpdateInFlight
 from .core.residency import Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
@@ -72,6 +74,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         staging_slots: int = DEFAULT_STAGING_SLOTS,
         gpu_memory_budget: int | float | None = None,
         stream_grads: bool = False,
+        overlap: bool = False,
         cpu_threads: int | None = None,
         device: str | torch.device | None = None,
         maximize: bool = False,
@@ -100,7 +103,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=adamw)
         super().__init__(params, defaults)
-        self.state = HostState(self._make_current)
+        self.overlapper: UpdateInFlight | None = None
+        self.state = HostState(self._make_current, self.synchronize)
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
@@ -109,6 +113,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.group = shard_group([p for params, _ in trainable for p in params])
         if not isinstance(stream_grads, bool):
             raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        if overlap and self.module is None:
+            raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
+                             "pass the model itself as the first argument (DeepOptimizerStates(model, ...))")
+        if overlap and self.group is not None:
+            raise ValueError("overlap=True is not supported under FSDP2 yet (its all-gathers read the shards before "
+                             "a module's forward hooks run): leave it False there")
         threads = cpu_threads_per_rank(cpu_threads)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -125,9 +137,16 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.grad_stream = (GradStream(self.layout, self.device, lambda i: self.plan.placements[i] is Placement.CPU)
                             if stream_grads else None)
         self._hook = None
+        self._pending_has_grad: list[list[bool]] | None = None
         if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
             self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
             weakref.finalize(self, self._hook.remove)
+        self._overlap_handles: list = []
+        if overlap:
+            self.overlapper = UpdateInFlight(self.device)
+            self._overlap_handles = _overlap_hooks(self.module, self.layout, weakref.ref(self))
+            weakref.finalize(self, _remove_all, self._overlap_handles)
+            weakref.finalize(self, self.overlapper.close)
         self.schedule = schedule
         self.scaler = self._make_scaler(loss_scale)
         self.skipped_steps = 0
@@ -241,7 +260,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     # ---- resident states ----------------------------------------------------------------------------
     def _make_current(self, p: torch.Tensor | None) -> None:
-        """Before the host copy of ``p``'s states (all params' for None) is read: evict its resident subgroups."""
+        """Before the host copy of ``p``'s states (all params' for None) is read or written: the update left
+        running ends, and its resident subgroups are evicted."""
+        self.synchronize()
         if self.layout is None or not len(self.residents):
             return
         if p is None:
@@ -270,6 +291,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Move every resident state back to pinned host memory now (before a forward that needs more GPU
         memory than training did, e.g. evaluation with a larger batch); the next step admits them again."""
         self._open()
+        self.synchronize()
         self.residents.evict()
 
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
@@ -280,12 +302,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         size = sum(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
         if size > self._largest_input:
             if self._largest_input and len(self.residents):
+                self.synchronize()
                 self.residents.evict()
             self._largest_input = size
 
     def master(self, p: torch.Tensor) -> torch.Tensor:
         """The fp32 master weight of ``p`` (its local shard under FSDP2): a view into pinned host memory."""
         self._open()
+        self.synchronize()
         self.layout.take_edits()
         if id(p) not in self.layout.where:
             raise KeyError("this param has no master: it is not in the optimizer, or had requires_grad=False "
@@ -300,6 +324,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     @schedule.setter
     def schedule(self, value: Schedule) -> None:
+        self.synchronize()
         self.planner.plan(value)
 
     @property
@@ -352,6 +377,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """One AdamW step for every param that has a gradient; returns when params and states are updated."""
+        self.synchronize()  # the previous update, if step() left it running
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -386,14 +412,49 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
             if runs:  # a subgroup whose gradients went down during backward takes the CPU path
                 jobs.append(Job(sg, Placement.CPU if sg.index in landed else place, hyper[sg.group_index], runs=runs))
+        if self.overlapper is not None:
+            self._start_update(jobs, multipliers, max(plan.slots, 1), landed, has_grad)
+            return
         try:
             self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed)
         finally:
             self.layout.record_writes()
         self.planner.after_update()
+        self._after_update(has_grad)
+
+    def _after_update(self, has_grad: list[list[bool]]) -> None:
         self.planner.observe(self.last_update)
         self.layout.advance_steps(has_grad)
         self._expose_state()
+
+    def _start_update(self, jobs: list[Job], multipliers: list[torch.Tensor], slots: int, landed: dict,
+                      has_grad: list[list[bool]]) -> None:
+        """Leave the update running (``overlap=True``): it reads this step's gradients (held here, so that
+        zero_grad and the next backward may replace them) after the point where they are complete."""
+        ready = current_point(self.device)
+        grads = {id(p): (local(p.grad) if p.grad is not None else None) for b in self.layout.buckets for p in b.params}
+
+        def update() -> UpdateStats:  # touches no param's .grad: the next backward may be writing them
+            return self.engine.update(jobs, multipliers, slots, self.residents, landed, ready=ready, grads=grads,
+                                      on_written=self.overlapper.written)
+
+        self._pending_has_grad = has_grad
+        self.overlapper.start(update, [j.subgroup.index for j in jobs])
+
+    def synchronize(self) -> None:
+        """Wait for the update that ``step()`` left running (``overlap=True``; a no-op otherwise) and raise its
+        error if it failed. The optimizer calls it before anything that reads or writes params, states or
+        step counts (the next step, ``opt.state``, ``state_dict``, ``master``, ``model.state_dict()``,
+        ``model.load_state_dict()``); call it before reading params outside a forward some other way."""
+        overlapper = getattr(self, "overlapper", None)
+        if overlapper is None or not overlapper.busy:
+            return
+        has_grad, self._pending_has_grad = self._pending_has_grad, None
+        try:
+            self.last_update = overlapper.join()  # the update's transients count in the budget's need: they
+        finally:  # ran beside the next forward
+            self.layout.record_writes()
+        self._after_update(has_grad)
 
     def _refuse_new_grads(self) -> None:
         """A param frozen at construction has no host memory: refuse to silently ignore its new gradient."""
@@ -442,7 +503,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: grads to None (or zeroed in place with ``set_to_none=False``); a pending
-        ``clip_grad_norm_`` belongs to the gradients it measured and is dropped with them."""
+        ``clip_grad_norm_`` belongs to the gradients it measured and is dropped with them. Gradients set to
+        None do not wait for an update left running (it holds the ones it reads); zeroed in place, they do."""
+        if not set_to_none:
+            self.synchronize()
         super().zero_grad(set_to_none)
         self._norm_cache, self._clip_once = None, None
         if self.grad_stream is not None:
@@ -454,6 +518,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         (staging slots, scratch); with residency's counters (admitted, evicted, failed admissions) and the
         GPU memory budget and measured need of forward + backward (None without a GPU)."""
         self._open()
+        self.synchronize()
         budget = self.planner.budget
         c = self.residents.counters
         return {"host_bytes": self.layout.bytes()["host"], "device_resident_bytes": self.residents.bytes(),
@@ -464,6 +529,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def calibrate(self) -> None:
         """Measure this machine's rates now (else "auto" does it at the first step); cached per machine."""
+        self.synchronize()
         self.planner.calibrate()
 
     # ---- lifetime -----------------------------------------------------------------------------------
@@ -475,6 +541,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Free the pinned host memory and stop the CPU worker now, instead of when garbage collected."""
         if self.layout is None:
             return
+        try:
+            self.synchronize()
+        finally:
+            if self.overlapper is not None:
+                self.overlapper.close()
+            _remove_all(self._overlap_handles)
         self.engine.close()
         if self.grad_stream is not None:
             self.grad_stream.close()
@@ -498,6 +570,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's layout (per-param step/exp_avg/exp_avg_sq) plus fp32 ``master_param`` and the loss scaler."""
         self._open()
+        self.synchronize()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self.layout.take_edits()  # weights loaded since the last step are the masters a checkpoint must hold
@@ -512,6 +585,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of ours (or of torch.optim.AdamW / Adam); validated whole before anything is written."""
         self._open()
+        self.synchronize()
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
@@ -528,6 +602,37 @@ def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
         if opt is not None:
             opt._before_forward(args, kwargs)
     return hook
+
+
+def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptimizerStates]") -> list:
+    """Forward pre-hooks that make each module with params of its own wait for the subgroups holding them,
+    and hooks that end the update before the model's state_dict is read or loaded."""
+    def waits(indices: frozenset) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            opt = ref()
+            if opt is not None and opt.overlapper is not None:
+                opt.overlapper.wait_for(indices)
+        return hook
+
+    def sync(*args: Any) -> None:
+        opt = ref()
+        if opt is not None:
+            opt.synchronize()
+
+    handles = []
+    for m in model.modules():
+        indices = frozenset(sg.index for p in m.parameters(recurse=False) if id(p) in layout.where
+                            for sg in layout.subgroups_of(*layout.where[id(p)]))
+        if indices:
+            handles.append(m.register_forward_pre_hook(waits(indices)))
+    handles.append(model.register_state_dict_pre_hook(sync))
+    handles.append(model.register_load_state_dict_pre_hook(sync))
+    return handles
+
+
+def _remove_all(handles: list) -> None:
+    for h in handles:
+        h.remove()
 
 
 def _refuse_sparse_modules(module: nn.Module) -> None:

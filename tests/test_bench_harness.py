@@ -86,7 +86,7 @@ def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
     assert "FAILED" in (tmp_path / "README.md").read_text()
 
 
-@pytest.mark.parametrize("system", ["ours_auto", "ours_gpu", "gpu_adamw", REFERENCE])
+@pytest.mark.parametrize("system", ["ours_auto", "ours_gpu", "ours_offload_overlap", "gpu_adamw", REFERENCE])
 def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     row = run_system.run(system, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")

@@ -95,10 +95,10 @@ class _Slot:
 
 
 def _grads_fp32(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None,
-                multipliers: Sequence[torch.Tensor]) -> None:
+                multipliers: Sequence[torch.Tensor], grads: dict | None = None) -> None:
     """dst = the subgroup's gradients in fp32 * m1 * m2 ..., gathered and up-cast on the GPU (not the host)."""
     work = dst if scratch is None else scratch[: sg.numel]
-    sg.gather_grads(work)
+    sg.gather_grads(work, grads)
     for m in multipliers:
         work.mul_(m)
     if work is not dst:
@@ -113,12 +113,16 @@ def _params_from(src: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None) 
     sg.scatter_params(src)
 
 
+def _ignore(index: int, event) -> None:
+    pass
+
+
 class _GradFeed:
     """Sends CPU subgroups' gradients down (up-cast on the GPU), GRAD_LOOKAHEAD ahead of the CPU; those that
     were streamed down during backward (``landed``: subgroup index -> event) are not sent again."""
 
-    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers, landed: dict) -> None:
-        self.lane, self.jobs, self.scratch, self.multipliers = lane, jobs, scratch, multipliers
+    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers, landed: dict, grads: dict | None) -> None:
+        self.lane, self.jobs, self.scratch, self.multipliers, self.grads = lane, jobs, scratch, multipliers, grads
         self.streamed = landed
         self.events: list = []
         for _ in range(GRAD_LOOKAHEAD):
@@ -131,7 +135,7 @@ class _GradFeed:
                 self.events.append(self.streamed[sg.index] or Done())
                 return
             with self.lane.run(f"sg{sg.index}"):
-                _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers)
+                _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers, self.grads)
             self.events.append(self.lane.record())
 
     def landed(self, i: int):
@@ -152,6 +156,7 @@ class Engine:
                                            initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
         self._warned_fallback = False
+        self._on_written: Callable[[int, object], None] = _ignore
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
         self._cpu_spans: list[tuple[float, float, str]] = []
 
@@ -162,13 +167,17 @@ class Engine:
             self._worker = None
 
     def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = DEFAULT_STAGING_SLOTS,
-               residents: Residents | None = None, landed: dict | None = None) -> UpdateStats:
+               residents: Residents | None = None, landed: dict | None = None, ready=None, grads: dict | None = None,
+               on_written: Callable[[int, object], None] | None = None) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and states are all updated (a resident
         subgroup's states on the GPU, the others' on the host). ``landed``: CPU subgroups whose unscaled fp32
         gradients were streamed to the host during backward (subgroup index -> event); the multipliers are
-        applied to them on the host."""
+        applied to them on the host. For an update run on another thread (``overlap``): ``ready``, the event
+        after which the gradients are complete (recorded by the caller), ``grads``, the gradients by
+        id(param), and ``on_written(index, event)``, told as each subgroup's params are written."""
         residents = residents if residents is not None else Residents(self.device)
         landed = landed or {}
+        self._on_written = on_written or _ignore
         if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -176,22 +185,24 @@ class Engine:
         if self.trace and self.device.type == "cuda":
             origin = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
         self._cpu_adam_seconds, self._cpu_spans = 0.0, []
-        ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
+        if ready is None:
+            ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
         for lane in self.lanes.values():
             lane.wait(ready)
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
-        jobs, slots, down, up, grads = self._buffers(jobs, max_slots, landed)
-        feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers, landed)
+        jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed)
+        feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers, landed,
+                         grads)
         on_host = [m.to("cpu") for m in multipliers] if landed else []
         pending: list[Future] = []
         try:
             pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
                        for i, job in enumerate(feed.jobs)]
             for job in (j for j in jobs if j.placement is Placement.RESIDENT):
-                self._update_resident(job, residents, job.subgroup.index in fresh, grads, multipliers)
+                self._update_resident(job, residents, job.subgroup.index in fresh, scratch, multipliers, grads)
             for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
-                self._update_staged(job, slots[n % len(slots)], multipliers)
+                self._update_staged(job, slots[n % len(slots)], multipliers, grads)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
             wait(pending)
             for lane in self.lanes.values():
@@ -202,7 +213,7 @@ class Engine:
         timeline = self._timeline(origin, start) if self.trace else None
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
-        stats.device_bytes = sum(4 * t.numel() for t in (down, up, grads) if t is not None) + sum(
+        stats.device_bytes = sum(4 * t.numel() for t in (down, up, scratch) if t is not None) + sum(
             16 * slot.p.numel() for slot in slots)
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
@@ -275,9 +286,10 @@ class Engine:
         self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
         with self.params_up.run(f"sg{sg.index}"):
             _params_from(sg.master, sg, scratch)
+        self._on_written(sg.index, self.params_up.record())
 
-    def _update_resident(self, job: Job, residents: Residents, fresh: bool, grads: torch.Tensor,
-                         multipliers) -> None:
+    def _update_resident(self, job: Job, residents: Residents, fresh: bool, scratch: torch.Tensor,
+                         multipliers, grads: dict | None) -> None:
         sg = job.subgroup
         p, m, v = residents.tensors(sg)
         if fresh:
@@ -285,12 +297,13 @@ class Engine:
                 residents.copy_in(sg)
             self.resident.wait(self.stage_in.record())
         with self.resident.run(f"sg{sg.index}"):
-            g = grads[: sg.numel]
-            _grads_fp32(g, sg, None, multipliers)
+            g = scratch[: sg.numel]
+            _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
+        self._on_written(sg.index, self.resident.record())
 
-    def _update_staged(self, job: Job, slot: _Slot, multipliers) -> None:
+    def _update_staged(self, job: Job, slot: _Slot, multipliers, grads: dict | None) -> None:
         sg = job.subgroup
         n = sg.numel
         p, g, m, v = slot.p[:n], slot.g[:n], slot.m[:n], slot.v[:n]
@@ -300,10 +313,12 @@ class Engine:
                 dst.copy_(src, non_blocking=True)
         self.gpu.wait(self.stage_in.record())
         with self.gpu.run(f"sg{sg.index}"):
-            _grads_fp32(g, sg, None, multipliers)
+            _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
-        self.stage_out.wait(self.gpu.record())
+        written = self.gpu.record()
+        self._on_written(sg.index, written)
+        self.stage_out.wait(written)
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):
                 dst.copy_(src, non_blocking=True)

@@ -39,33 +39,56 @@ class ParamState(dict):
 
 class HostState(dict):
     """``opt.state``: reading an entry first makes it current (``on_read(param)``; ``on_read(None)`` for
-    all params), so a resident subgroup's states are evicted to the host before anyone sees them."""
+    all params), so a resident subgroup's states are evicted to the host before anyone sees them. Every
+    access first runs ``on_access()`` (an update left running by ``step()`` ends first: it adds entries
+    and moves step counts)."""
 
-    def __init__(self, on_read: Callable[[torch.Tensor | None], None]) -> None:
+    def __init__(self, on_read: Callable[[torch.Tensor | None], None],
+                 on_access: Callable[[], None] = lambda: None) -> None:
         super().__init__()
-        self._on_read = on_read
+        self._on_read, self._on_access = on_read, on_access
 
     def __missing__(self, key):  # torch's optimizer state is a defaultdict(dict)
         value = self[key] = {}
         return value
 
     def __getitem__(self, key):
+        self._on_access()
         if dict.__contains__(self, key):
             self._on_read(key)
         return super().__getitem__(key)
 
     def get(self, key, default=None):
+        self._on_access()
         if dict.__contains__(self, key):
             self._on_read(key)
         return super().get(key, default)
 
     def values(self):
+        self._on_access()
         self._on_read(None)
         return super().values()
 
     def items(self):
+        self._on_access()
         self._on_read(None)
         return super().items()
+
+    def __contains__(self, key) -> bool:
+        self._on_access()
+        return super().__contains__(key)
+
+    def __iter__(self):
+        self._on_access()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._on_access()
+        return super().__len__()
+
+    def keys(self):
+        self._on_access()
+        return super().keys()
 
     def raw(self, key):
         """The entry without making it current (the optimizer's own bookkeeping)."""

@@ -99,11 +99,14 @@ class Subgroup:
     exp_avg_sq = property(lambda self: self._s(self.bucket.exp_avg_sq))
     grad32 = property(lambda self: self._s(self.bucket.grad32))
 
-    def gather_grads(self, dst: torch.Tensor) -> None:
-        """dst (flat fp32, on any device) = this subgroup's gradients; a missing gradient reads as zeros."""
+    def gather_grads(self, dst: torch.Tensor, grads: dict[int, torch.Tensor | None] | None = None) -> None:
+        """dst (flat fp32, on any device) = this subgroup's gradients; a missing gradient reads as zeros.
+        ``grads``: the gradients by id(param), held since the step began (an update left running reads
+        those, whatever ``.grad`` holds by then); else each param's ``.grad`` now."""
         for pc in self.pieces:
             out = dst[pc.at : pc.at + pc.hi - pc.lo]
-            grad = local(self.bucket.params[pc.i].grad)
+            p = self.bucket.params[pc.i]
+            grad = local(p.grad) if grads is None else grads.get(id(p))
             if grad is None:
                 out.zero_()
             else:

@@ -349,8 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="GPU memory the optimizer may fill with resident states, model included "
                            "(default: the device less a margin)")
     loop.add_argument("--stream-grads", action="store_true",
-                      help="send the CPU path's gradients to host memory during backward (less GPU memory; "
-                           "one process only)")
+                      help="send the CPU path's gradients to host memory during backward (less GPU memory)")
     loop.add_argument("--subgroup-size", type=positive_int, default=None,
                       help="elements (default: 1/8 of the model, <= 25M)")
     loop.add_argument("--seed", type=nonnegative_int, default=0, help="model init and data order (default 0)")

@@ -1,0 +1,90 @@
+"""An update left running after ``step()`` returns (``overlap=True``), and the waits that keep it exact.
+
+``step()`` does everything that needs all gradients at once on the caller's thread (the global norm, the
+inf/nan check, clipping and unscale factors, the plan) and hands the update itself to one background
+thread. The next forward runs beside it: a forward pre-hook on every module waits only for the subgroups
+that hold that module's params (a CPU wait until the subgroup's write was enqueued, then a CUDA event
+wait on the caller's stream), and the update runs first subgroups first, in the order the forward visits
+the layers. The gradients the update reads are the ones of this step, held by reference, so ``zero_grad``
+(to None) and the next backward may come at any time. Anything else that reads or writes params, states
+or the step count goes through ``synchronize()`` first (the optimizer calls it for its own entry points).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Iterable
+
+import torch
+
+
+class UpdateInFlight:
+    """At most one update running in the background; which subgroups' params it has written so far."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="dos-update", initializer=initializer)
+        self._future: Future | None = None
+        self._written: dict[int, tuple[threading.Event, object]] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def busy(self) -> bool:
+        """Whether an update was started and not joined yet."""
+        return self._future is not None
+
+    def start(self, update: Callable[[], object], subgroups: Iterable[int]) -> None:
+        """Run ``update`` in the background; ``subgroups`` are those it will write (forward waits for them)."""
+        assert self._future is None, "join the running update first"
+        with self._lock:
+            self._written = {i: (threading.Event(), None) for i in subgroups}
+        self._future = self._thread.submit(self._run, update)
+
+    def _run(self, update: Callable[[], object]) -> object:
+        try:
+            with torch.no_grad():
+                return update()
+        finally:  # an update that failed half-way must not leave a forward waiting forever
+            for flag, _ in list(self._written.values()):
+                flag.set()
+
+    def written(self, index: int, event) -> None:
+        """The engine wrote subgroup ``index``'s params (enqueued before ``event`` on a GPU): release its
+        waiters. Called from the update's threads."""
+        with self._lock:
+            entry = self._written.get(index)
+            if entry is None:
+                return
+            self._written[index] = (entry[0], event)
+        entry[0].set()
+
+    def wait_for(self, subgroups: Iterable[int]) -> None:
+        """Make the caller's work wait until these subgroups' params are written: the host until the write
+        is enqueued, the caller's CUDA stream until it has run."""
+        if self._future is None:
+            return
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for i in subgroups:
+            entry = self._written.get(i)
+            if entry is None:
+                continue
+            entry[0].wait()
+            event = self._written[i][1]
+            if stream is not None and isinstance(event, torch.cuda.Event):
+                stream.wait_event(event)
+
+    def join(self) -> object:
+        """Wait for the update to end (the engine returns once every lane has run): its result, or its error
+        raised here."""
+        future, self._future = self._future, None
+        if future is None:
+            return None
+        try:
+            return future.result()
+        finally:
+            self._written = {}
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

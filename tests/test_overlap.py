@@ -1,0 +1,184 @@
+"""``overlap=True``: step() leaves the update running and the next forward waits per module, on the CPU.
+
+The update runs on a background thread here too, so these are real races: every AdamW call is slowed
+down (``slow_adam``) so that the next forward, started at once, reaches modules whose params are not
+written yet and must wait for them. The overlapped run is held bit for bit to the same optimizer without
+overlap (the same engine code and operations, which the other tests hold to torch's AdamW): the loss each
+forward computes, and the masters, states and params after.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.core import engine
+from tests.harness import loss_of, mlp, tiny_llama
+
+R, S, C = Placement.RESIDENT, Placement.STAGED, Placement.CPU
+
+
+@pytest.fixture
+def slow_adam(monkeypatch):
+    """Every AdamW call of the engine sleeps first: the next forward runs ahead of the update."""
+    real = engine.adam_update
+
+    def slow(*args, **kwargs):
+        time.sleep(0.003)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "adam_update", slow)
+
+
+def _schedule(opt: DeepOptimizerStates, schedule):
+    if schedule == "mixed":
+        opt.schedule = [(R, S, C)[i % 3] for i in range(len(opt.layout.subgroups))]
+    else:
+        opt.schedule = schedule
+
+
+def _twins(make, schedule, **kwargs):
+    model = make()
+    twin = copy.deepcopy(model)
+    ours = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, overlap=True, **kwargs)
+    ref = DeepOptimizerStates(twin, lr=1e-2, subgroup_size=3000, **kwargs)
+    for opt in (ours, ref):
+        _schedule(opt, schedule)
+    return (model, ours), (twin, ref)
+
+
+def _assert_same(model, ours, twin, ref) -> None:
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours.master(p), ref.master(q))  # master() waits for the update
+        assert torch.equal(p, q)
+        assert (p in ours.state) == (q in ref.state)
+        if q in ref.state and ref.state[q]:  # a param that never had a gradient has no state
+            assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def _run(model, opt, gen, steps, between=None) -> list[torch.Tensor]:
+    """The usual loop: zero_grad (to None), forward, backward, step; the loss of every forward."""
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = loss_of(model, gen)  # with overlap: waits, module by module, for the params it reads
+        losses.append(loss.detach().clone())
+        loss.backward()
+        opt.step()
+        if between is not None:
+            between(step, model, opt)
+    return losses
+
+
+def _compare(make, schedule, steps=5, seed=0, between=None, **kwargs):
+    (model, ours), (twin, ref) = _twins(make, schedule, **kwargs)
+    got = _run(model, ours, torch.Generator().manual_seed(seed), steps, between)
+    want = _run(twin, ref, torch.Generator().manual_seed(seed), steps, between)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: the forward saw params the update had not written yet"
+    _assert_same(model, ours, twin, ref)
+    return (model, ours), (twin, ref)
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 2, "gpu", "mixed"], ids=str)
+@pytest.mark.parametrize("max_norm", [None, 0.05], ids=["no_clip", "clip"])
+def test_overlapped_steps_equal_the_synchronous_ones_bit_for_bit(slow_adam, schedule, max_norm):
+    _compare(tiny_llama, schedule, max_grad_norm=max_norm)
+
+
+def test_tied_weights_and_a_forward_out_of_registration_order(slow_adam):
+    class Backwards(nn.Module):  # registers a, b, c; runs c, b, a
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = nn.Linear(8, 32), nn.Linear(64, 64), nn.Linear(32, 64)
+
+        def forward(self, x):
+            return self.a.weight.sum() + self.b(torch.relu(self.c(x.new_ones(4, 32)))).sum() * 1e-3
+
+    _compare(lambda: tiny_llama(tie=True), "mixed")
+    model, ours = Backwards(), None
+    twin = copy.deepcopy(model)
+    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=500, overlap=o, schedule="cpu")
+                 for m, o in ((model, True), (twin, False)))
+    for _ in range(4):
+        for m, o in ((model, ours), (twin, ref)):
+            o.zero_grad()
+            m(torch.ones(1)).backward()
+            o.step()
+    _assert_same(model, ours, twin, ref)
+
+
+def test_reads_between_steps_wait_for_the_update(slow_adam):
+    """opt.state, opt.state_dict(), model.state_dict() and an evaluation forward, right after step():
+    each sees the finished update."""
+    seen = {"ours": [], "ref": []}
+
+    def between(step, model, opt):
+        key = "ours" if opt.overlapper is not None else "ref"
+        p = next(model.parameters())
+        seen[key].append((float(opt.state[p]["step"]), opt.state[p]["exp_avg"].clone(),
+                          {k: v.clone() for k, v in model.state_dict().items()},
+                          opt.state_dict()["state"][0]["exp_avg_sq"].clone()))
+        with torch.no_grad():
+            seen[key].append(loss_of(model, torch.Generator().manual_seed(99)))
+        opt.step()  # no new gradients: a no-op, after waiting
+
+    _compare(tiny_llama, "mixed", steps=3, between=between)
+    for a, b in zip(seen["ours"], seen["ref"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_module_zero_grad_and_accumulation_while_the_update_runs(slow_adam):
+    """The update holds the gradients it reads: model.zero_grad() and the next micro-batches' backward
+    may replace them at once."""
+    (model, ours), (twin, ref) = _twins(tiny_llama, 2)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for _ in range(3):
+        for m, o, g in ((model, ours, g1), (twin, ref, g2)):
+            m.zero_grad()
+            for _ in range(2):
+                (loss_of(m, g) / 2).backward()
+            o.step()
+    _assert_same(model, ours, twin, ref)
+
+
+def test_streamed_gradients_and_overlap_together(slow_adam):
+    _compare(tiny_llama, "mixed", stream_grads=True)
+
+
+def test_an_error_of_the_update_is_raised_at_the_next_step(monkeypatch):
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule="cpu", overlap=True)
+    calls = {"n": 0}
+    real = engine.adam_update
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure in the update")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "adam_update", failing)
+    gen = torch.Generator().manual_seed(0)
+    loss_of(model, gen).backward()
+    opt.step()  # returns; the update fails in the background
+    done = threading.Event()
+    threading.Thread(target=lambda: (loss_of(model, gen), done.set()), daemon=True).start()
+    assert done.wait(10), "a forward must not wait forever for an update that failed"
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.step()
+
+
+def test_overlap_input_errors():
+    model = mlp()
+    with pytest.raises(ValueError, match="overlap=True needs the model"):
+        DeepOptimizerStates(model.parameters(), overlap=True)
+    with pytest.raises(ValueError, match="overlap must be True or False"):
+        DeepOptimizerStates(model, overlap=1)
