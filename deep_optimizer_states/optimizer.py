@@ -75,6 +75,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         gpu_memory_budget: int | float | None = None,
         stream_grads: bool = False,
         overlap: bool = False,
+        model: nn.Module | None = None,
         cpu_threads: int | None = None,
         device: str | torch.device | None = None,
         maximize: bool = False,
@@ -84,9 +85,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         fused: bool | None = None,
     ) -> None:
         self.layout: Layout | None = None
-        self.module = params if isinstance(params, nn.Module) else None
+        if isinstance(params, nn.Module) and model is not None:
+            raise ValueError("the model is given twice: pass it as the first argument or as model=, not both")
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model must be an nn.Module (the model that uses the params), got {type(model).__name__}")
+        self.module = params if isinstance(params, nn.Module) else model
         if self.module is not None:
             _refuse_sparse_modules(self.module)
+        if isinstance(params, nn.Module):
             params = list(self.module.named_parameters())
         if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, int) or subgroup_size <= 0:
             raise ValueError(f"subgroup_size must be an int > 0 (elements per subgroup), got {subgroup_size!r}")
@@ -117,7 +123,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
         if overlap and self.module is None:
             raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
-                             "pass the model itself as the first argument (DeepOptimizerStates(model, ...))")
+                             "pass the model itself as the first argument, or as model= beside param groups")
         if overlap and self.group is not None:
             raise ValueError("overlap=True is not supported under FSDP2 yet (its all-gathers read the shards before "
                              "a module's forward hooks run): leave it False there")

@@ -95,6 +95,8 @@ def train(out_dir, how: str, resume=None, model_seed: int = 0, max_steps: int = 
         trainer = DOSTrainer(**common, dos_kwargs={"schedule": 2, "subgroup_size": 20_000})
     elif how == "dos_trainer_stream":
         trainer = DOSTrainer(**common, dos_kwargs={"schedule": 2, "subgroup_size": 20_000, "stream_grads": True})
+    elif how == "dos_trainer_overlap":
+        trainer = DOSTrainer(**common, dos_kwargs={"schedule": 2, "subgroup_size": 20_000, "overlap": True})
     elif how == "cls_and_kwargs":
         trainer = transformers.Trainer(**common, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs(
             args, schedule="cpu", subgroup_size=20_000))
@@ -149,6 +151,18 @@ def test_dos_trainer_with_streamed_gradients_matches_torch(runs, tmp_path):
     assert int(opt.state[next(iter(opt.state))]["step"]) == 6
     assert_same_params(ours.final, ref.final, exact=False, rtol=1e-5)
     assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
+
+
+def test_dos_trainer_with_overlap_trains_bit_for_bit_like_without(runs, tmp_path):
+    """overlap=True under the Trainer: its model.zero_grad(), scheduler step, clipping of the next step's
+    gradients, logging and checkpoints (model and optimizer state_dict every 3 steps) around an update left
+    running; every loss, grad norm and final weight equal to the DOSTrainer's without overlap."""
+    _, r = runs
+    ours, ref = train(tmp_path, "dos_trainer_overlap"), r["dos_trainer"]
+    assert ours.optimizer.overlapper is not None and ours.optimizer.module is ours.trainer.model
+    assert not ours.optimizer.overlapper.busy, "train() returns after the last update"
+    assert ours.losses == ref.losses and ours.grad_norms == ref.grad_norms
+    assert_same_params(ours.final, ref.final)
 
 
 # ---- 2. Trainer(optimizer_cls_and_kwargs=...) -------------------------------------------------------------------

@@ -182,3 +182,9 @@ def test_overlap_input_errors():
         DeepOptimizerStates(model.parameters(), overlap=True)
     with pytest.raises(ValueError, match="overlap must be True or False"):
         DeepOptimizerStates(model, overlap=1)
+    with pytest.raises(ValueError, match="the model is given twice"):
+        DeepOptimizerStates(model, model=model)
+    with pytest.raises(ValueError, match="model must be an nn.Module"):
+        DeepOptimizerStates(model.parameters(), model=list(model.parameters()))
+    groups = [{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:], "weight_decay": 0.0}]
+    assert DeepOptimizerStates(groups, model=model, overlap=True).overlapper is not None  # groups beside the model

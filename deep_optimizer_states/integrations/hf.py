@@ -105,11 +105,13 @@ class DOSTrainer(Trainer):
     gradients itself (``args.max_grad_norm``). Train bf16 or fp32 params: fp16 params need ``opt.scale_loss``,
     which the Trainer never calls.
 
-    With ``dos_kwargs={"stream_grads": True}`` the gradients of CPU-placed subgroups leave the GPU during the
-    last micro-batch's backward: the backward of every other micro-batch runs under ``opt.accumulating()``,
-    and clipping moves from the Trainer (which reads the params' ``.grad``) into the optimizer:
-    ``args.max_grad_norm`` is given to it and set to 0 for the Trainer (no ``grad_norm`` in the logs then;
-    ``opt.last_grad_norm`` has it).
+    With ``dos_kwargs={"overlap": True}`` the update runs beside the next forward (the optimizer is given the
+    model: each module waits for its own params; the Trainer's checkpoints read the model's state_dict,
+    which waits for the update). With ``dos_kwargs={"stream_grads": True}`` the gradients of CPU-placed
+    subgroups leave the GPU during the last micro-batch's backward: the backward of every other micro-batch
+    runs under ``opt.accumulating()``, and clipping moves from the Trainer (which reads the params'
+    ``.grad``) into the optimizer: ``args.max_grad_norm`` is given to it and set to 0 for the Trainer (no
+    ``grad_norm`` in the logs then; ``opt.last_grad_norm`` has it).
     """
 
     def __init__(self, *args: Any, dos_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -124,6 +126,15 @@ class DOSTrainer(Trainer):
             self.args.max_grad_norm = 0.0
         optimizer_kwargs(self.args, **self.dos_kwargs)  # refuse bad kwargs now, not at train()
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """The base training loop; with ``overlap``, the last update has ended when it returns."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            opt = _ours(self.optimizer)
+            if opt is not None and opt.layout is not None:
+                opt.synchronize()
+
     def training_step(self, model: torch.nn.Module, inputs: dict, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base step; with ``stream_grads``, a micro-batch that is not the last of its accumulation
         backpropagates under ``opt.accumulating()`` (its gradients stay to be accumulated)."""
@@ -137,7 +148,8 @@ class DOSTrainer(Trainer):
         if self.optimizer is None:
             opt_model = self.model if model is None else model
             groups = grouped_parameters(opt_model, self.get_decay_parameter_names(opt_model), self.args.weight_decay)
-            self.optimizer = DeepOptimizerStates(groups, **optimizer_kwargs(self.args, **self.dos_kwargs))
+            kwargs = optimizer_kwargs(self.args, **self.dos_kwargs)
+            self.optimizer = DeepOptimizerStates(groups, model=opt_model, **kwargs)
         return self.optimizer
 
 
