@@ -457,9 +457,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         has_grad, self._pending_has_grad = self._pending_has_grad, None
         try:
-            self.last_update = overlapper.join()  # the update's transients count in the budget's need: they
-        finally:  # ran beside the next forward
+            self.last_update = overlapper.join()
+        finally:
             self.layout.record_writes()
+        # no planner.after_update(): the update's transients ran beside the next forward, so the budget's
+        # measured need rightly counts them
         self._after_update(has_grad)
 
     def _refuse_new_grads(self) -> None:
