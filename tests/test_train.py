@@ -121,11 +121,15 @@ def test_trains_a_local_hugging_face_model_directory_on_your_files(tmp_path):
     assert summary["run"]["vocab"] == 300 and len(summary["losses"]) == 3
 
 
-def test_stream_grads_trains_the_same_curve(tmp_path):
-    """--stream-grads sends the gradients down during backward (the last micro-batch of each step): on the
-    CPU the same fp32 operations, so the same losses, bit for bit."""
+def test_stream_grads_and_overlap_train_the_same_curve(tmp_path):
+    """--stream-grads sends the gradients down during backward (the last micro-batch of each step), and
+    --overlap leaves each update running beside the next forward: on the CPU the same fp32 operations, so
+    the same losses, bit for bit."""
     common = [*SMALL, "--steps", "4", "--accum", "2", "--eval-every", "0", "--sample-tokens", "0"]
     dos("train", *common, "--summary-json", str(tmp_path / "plain.json"), cache=tmp_path)
     dos("train", *common, "--stream-grads", "--summary-json", str(tmp_path / "stream.json"), cache=tmp_path)
     plain, stream = (json.loads((tmp_path / f).read_text()) for f in ("plain.json", "stream.json"))
     assert stream["losses"] == plain["losses"] and stream["final_eval_loss"] == plain["final_eval_loss"]
+    dos("train", *common, "--overlap", "--summary-json", str(tmp_path / "overlap.json"), cache=tmp_path)
+    overlap = json.loads((tmp_path / "overlap.json").read_text())
+    assert overlap["losses"] == plain["losses"] and overlap["final_eval_loss"] == plain["final_eval_loss"]
