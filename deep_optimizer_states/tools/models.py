@@ -12,6 +12,7 @@ PRESETS = {
     "1.36b": (2048, 24, 32000),
     "5.2b": (4096, 24, 32000),
     "10b": (5120, 32, 32000),
+    "20b": (6144, 42, 32000),  # 19.8B: the paper's largest, for a host with the memory (16 B/param pinned)
 }
 
 
