@@ -38,6 +38,16 @@ def loss_of(model: nn.Module, gen: torch.Generator) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
+def steps_beside(model: nn.Module, opt: DeepOptimizerStates, ref: ReferenceAdamW, gen: torch.Generator,
+                 steps: int) -> None:
+    """``steps`` steps of ours and of the reference (fed the same gradients) on fresh batches from ``gen``."""
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        ref.step()
+        opt.step()
+
+
 def train_and_compare(model: nn.Module, opt: DeepOptimizerStates, steps: int = 30, seed: int = 1,
                       micro_batches: int = 1, max_norm: float | None = None, scheduler=None,
                       ref_cls=None, rtol: float = 1e-6) -> ReferenceAdamW:

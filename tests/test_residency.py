@@ -19,7 +19,7 @@ from deep_optimizer_states.planning.budget import (MIN_HEADROOM_BYTES, MIN_MARGI
                                                    validate_budget)
 from deep_optimizer_states.planning.plan import Planner
 from deep_optimizer_states.reference import ReferenceAdamW
-from tests.harness import loss_of, mlp, tiny_llama
+from tests.harness import loss_of, mlp, steps_beside, tiny_llama
 from tests.test_perfmodel import H200_LIKE
 
 R, S, C = Placement.RESIDENT, Placement.STAGED, Placement.CPU
@@ -167,12 +167,7 @@ def test_an_edited_weight_of_a_resident_subgroup_becomes_its_master():
         weight.mul_(0.5)  # edited in place while its subgroup is resident
     evicted = opt.residents.counters.evicted
     ref.masters[weight].data.copy_(weight.detach())
-    gen = torch.Generator().manual_seed(9)
-    for _ in range(3):
-        opt.zero_grad()
-        loss_of(model, gen).backward()
-        ref.step()
-        opt.step()
+    steps_beside(model, opt, ref, torch.Generator().manual_seed(9), 3)
     assert opt.residents.counters.evicted > evicted, "the edit evicted the subgroups holding the weight"
     ref.assert_matches()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates
-from tests.harness import loss_of, mlp, tiny_llama, train_and_compare
+from tests.harness import loss_of, mlp, steps_beside, tiny_llama, train_and_compare
 
 
 def _train(model, opt, gen, steps):
@@ -136,12 +136,7 @@ def test_frameworks_moving_state_tensors_write_into_the_host_buffers():
     for p in opt.state:
         for key in ("exp_avg", "exp_avg_sq", "master"):
             assert opt.state[p][key].data_ptr() == views[id(p)][key].data_ptr(), "still the host buffer"
-    gen = torch.Generator().manual_seed(7)
-    for _ in range(2):
-        opt.zero_grad()
-        loss_of(model, gen).backward()
-        ref.step()
-        opt.step()
+    steps_beside(model, opt, ref, torch.Generator().manual_seed(7), 2)
     ref.assert_matches()
     sd = opt.state_dict()
     for i, p in enumerate(model.parameters()):
