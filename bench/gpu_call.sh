@@ -6,6 +6,7 @@
 #   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
 #                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
+#   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,6 +16,7 @@ export PYTHONPATH=/tmp/site:$PWD
 R=/tmp/bench
 mkdir -p "$R"
 [ -f $R/results.jsonl ] || cp docs/benchmarks/results.jsonl $R/ 2>/dev/null || true
+results=$R/results${DATA_SEED:+-seed$DATA_SEED}.jsonl
 deadline=$1
 shift
 for step in "$@"; do
@@ -25,9 +27,10 @@ for step in "$@"; do
     bench) python3 -m deep_optimizer_states bench --model "$model" ${arg:+--schedules "$arg"} \
              --out "$R/update-$model.jsonl" 2>&1 | tee -a $R/bench.log ;;
     suite|again) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
-             --iters 5 --deadline $left --out $R/results.jsonl $([ $kind = again ] && echo --again) 2>&1 \
+             --iters 5 --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
+             $([ $kind = again ] && echo --again) 2>&1 \
              | tee -a $R/suite.log ;;
-    gputest) timeout $left python3 -m pytest -q -m gpu tests/gpu 2>&1 | tail -40 > $R/gpu-tests.log; cat $R/gpu-tests.log ;;
+    gputest) timeout $left python3 -m pytest -q --tb=short -m gpu tests/gpu 2>&1 | tail -150 > $R/gpu-tests.log; cat $R/gpu-tests.log ;;
     *) echo "unknown step $step" ;;
   esac
   cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null

@@ -43,13 +43,14 @@ def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[st
     for (model, budget, system), row in ok.items():
         if not system.startswith("ours"):
             continue
-        ref = ok.get((model, budget, REFERENCE)) or ok.get((model, None, REFERENCE))
+        reference = REFERENCE + "_clip" if system.endswith("_clip") else REFERENCE
+        ref = ok.get((model, budget, reference)) or ok.get((model, None, reference))
         if ref is None:
             continue
         worst = max(abs(a - b) for a, b in zip(row["losses"], ref["losses"])) / abs(ref["losses"][0])
         row["loss_vs_reference"] = worst
         if worst > tolerance or len(row["losses"]) != len(ref["losses"]):
-            failures.append(f"{system} on {model} ({_budget(budget)}): loss differs from {REFERENCE} by "
+            failures.append(f"{system} on {model} ({_budget(budget)}): loss differs from {reference} by "
                             f"{worst:.2%} of its first loss (tolerance {tolerance:.1%})")
     return failures
 

@@ -34,10 +34,14 @@ def budget_fraction(budget_gb: float | None, total_bytes: int) -> float | None:
     return budget_gb * 1e9 / total_bytes
 
 
-def batch(size: int, seq: int, vocab: int, device: torch.device) -> torch.Tensor:
+DATA_SEED = 1000
+
+
+def batch(size: int, seq: int, vocab: int, device: torch.device, seed: int = DATA_SEED) -> torch.Tensor:
     """One batch of tokens, the same for every system and every step: the loss then falls as the model
-    learns it, so the loss check can tell an optimizer that updates wrongly from one that works."""
-    return torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(1000)).to(device)
+    learns it, so the loss check can tell an optimizer that updates wrongly from one that works. Another
+    ``seed`` repeats a run on fresh data (a result that moves with it is a race, not the data)."""
+    return torch.randint(0, vocab, (size, seq), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def _sync(device: torch.device) -> None:
@@ -68,12 +72,12 @@ def _is_oom(e: BaseException) -> bool:
 
 
 def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: int, micro_batch: int, seq: int,
-        device: torch.device) -> dict:
+        device: torch.device, data_seed: int = DATA_SEED) -> dict:
     """Set the system up, train warmup + iters steps, and return its result row."""
     row = {"system": system, "model": model, "budget_gb": budget_gb, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
            "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
-           "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq}
+           "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq, "data_seed": data_seed}
     try:
         if device.type == "cuda":
             fraction = budget_fraction(budget_gb, torch.cuda.get_device_properties(device).total_memory)
@@ -86,7 +90,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=trainer.params, settings=trainer.settings)
         vocab = PRESETS[model][2]
         phases, losses = [], []
-        ids = batch(micro_batch, seq, vocab, device)
+        ids = batch(micro_batch, seq, vocab, device, data_seed)
         for _ in range(warmup + iters):
             loss, fwd = _timed(device, lambda: trainer.forward(ids))
             _, bwd = _timed(device, lambda: trainer.backward(loss))
@@ -118,9 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training batch")
     args = parser.parse_args(argv)
     row = run(args.system, args.model, args.budget_gb, args.iters, args.warmup, args.micro_batch, args.seq,
-              torch.device(args.device))
+              torch.device(args.device), args.data_seed)
     print(RESULT + json.dumps(row), flush=True)
     return 0 if row["status"] in ("ok", "oom") or args.system != OURS else 1
 

@@ -74,7 +74,8 @@ def done(out: Path) -> set[tuple]:
 def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "bench.run_system", "--system", system, "--model", model, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
-           str(args.seq)] + (["--budget-gb", str(budget)] if budget is not None else [])
+           str(args.seq), "--data-seed", str(args.data_seed)]
+    cmd += ["--budget-gb", str(budget)] if budget is not None else []
     env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     try:
@@ -99,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--timeout", type=float, default=280, help="seconds per system run")
+    parser.add_argument("--data-seed", type=int, default=1000, help="seed of the training batch (another one "
+                        "repeats the runs on fresh data; write those to another --out)")
     parser.add_argument("--again", action="store_true", help="run even if a row exists")
     parser.add_argument("--deadline", type=float, default=None,
                         help="start no run after this many seconds (the rest is left for the next call)")

@@ -19,6 +19,7 @@ from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.tools.models import llama
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
+CLIP = 1.0  # max_grad_norm of the systems named *_clip (the Hugging Face Trainer's default)
 
 
 @dataclass
@@ -50,12 +51,12 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
                    settings=settings)
 
 
-def ours(schedule: str, stream_grads: bool = False,
-         overlap: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+def ours(schedule: str, stream_grads: bool = False, overlap: bool = False,
+         max_grad_norm: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
-                                  stream_grads=stream_grads, overlap=overlap)
+                                  stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm)
 
         def step():
             opt.step()
@@ -84,7 +85,8 @@ def ours(schedule: str, stream_grads: bool = False,
 
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
-                       f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}), "
+                       f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
+                       f"max_grad_norm={max_grad_norm}), "
                        "bf16 params, "
                        "fp32 masters on the host")
     return build
@@ -96,9 +98,11 @@ def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
     return _plain(model, opt, device, "torch.optim.AdamW(fused=True), fp32 params on the GPU, bf16 autocast")
 
 
-def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int) -> Trainer:
+def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int,
+                           max_grad_norm: float | None = None) -> Trainer:
     """Our numerics without offloading: bf16 params and grads, fp32 masters and AdamW states on the GPU.
-    The reference that the loss check holds ours to (fp32 params under autocast train differently)."""
+    The reference that the loss check holds ours to (fp32 params under autocast train differently); with
+    ``max_grad_norm``, torch's clip_grad_norm_ on the fp32 grads first."""
     model = llama(preset, torch.bfloat16, device)
     params = list(model.parameters())
     masters = [p.detach().float() for p in params]
@@ -108,6 +112,8 @@ def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int) -> Tra
     def step():
         for m, p in zip(masters, params):
             m.grad = p.grad.float()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(masters, max_grad_norm, foreach=True)
         opt.step()
         for m, p in zip(masters, params):
             p.copy_(m)
@@ -189,6 +195,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_auto_overlap": ours("auto", overlap=True),
     "ours_offload": ours("offload"),
     "ours_offload_overlap": ours("offload", stream_grads=True, overlap=True),
+    "ours_offload_clip": ours("offload", max_grad_norm=CLIP),
+    "ours_offload_overlap_clip": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP),
     "ours_cpu": ours("cpu"),
     "ours_gpu": ours("gpu"),
     "deepspeed_zero3_offload": deepspeed_zero3(1.0),
@@ -199,6 +207,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "fsdp2_offload": fsdp2_offload,
     "gpu_adamw": gpu_adamw,
     "gpu_adamw_bf16_masters": gpu_adamw_bf16_masters,
+    "gpu_adamw_bf16_masters_clip": lambda preset, device, batch: gpu_adamw_bf16_masters(preset, device, batch, CLIP),
 }
 OURS = "ours_auto"
 REFERENCE = "gpu_adamw_bf16_masters"  # the loss check's reference: the same numerics as ours
