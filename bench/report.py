@@ -43,7 +43,7 @@ def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[st
     for (model, budget, system), row in ok.items():
         if not system.startswith("ours"):
             continue
-        reference = REFERENCE + "_clip" if system.endswith("_clip") else REFERENCE
+        reference = REFERENCE + "_clip" if "_clip" in system else REFERENCE
         ref = ok.get((model, budget, reference)) or ok.get((model, None, reference))
         if ref is None:
             continue

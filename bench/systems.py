@@ -16,6 +16,7 @@ import torch
 
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
+from deep_optimizer_states.core.schedule import Placement
 from deep_optimizer_states.tools.models import llama
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -51,16 +52,31 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
                    settings=settings)
 
 
-def ours(schedule: str, stream_grads: bool = False, overlap: bool = False,
-         max_grad_norm: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
+def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
+         spare_cores: int = 0) -> Callable[[str, torch.device, int], Trainer]:
+    """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
+    loop's own thread while an overlapped update runs)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
+        threads = max(1, (os.cpu_count() or 1) - spare_cores) if spare_cores else None
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
-                                  stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm)
+                                  stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,
+                                  cpu_threads=threads)
+
+        history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update
 
         def step():
             opt.step()
             opt.zero_grad()
+            u, pred = opt.last_update, opt.plan.prediction
+            history.append({"planned_staged": opt.placements.count(Placement.STAGED),
+                            "predicted_s": None if pred is None else round(pred.seconds, 4),
+                            "update_s": None if u is None else round(u.seconds, 4),
+                            "staged": None if u is None else u.staged_subgroups,
+                            "params_written_s": None if u is None or u.params_written_s is None
+                            else round(u.params_written_s, 4),
+                            "forward_wait_s": None if u is None or u.forward_wait_s is None
+                            else round(u.forward_wait_s, 4)})
 
         def extra() -> dict:
             opt.synchronize()  # with overlap, the last update may still run
@@ -73,7 +89,9 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False,
                     "resident_GB": mem["device_resident_bytes"] / 1e9, "admitted": mem["admitted"],
                     "evicted": mem["evicted"], "failed_admissions": mem["failed_admissions"],
                     "gpu_budget_GB": (mem["gpu_budget_bytes"] or 0) / 1e9,
-                    "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9}
+                    "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9, "history": history,
+                    "refine_factors": opt.planner.factors, "params_written_s": u.params_written_s,
+                    "forward_wait_s": u.forward_wait_s}
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
             if device.type == "cuda" and u.resident_subgroups < len(opt.layout.subgroups):
@@ -86,7 +104,7 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False,
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
-                       f"max_grad_norm={max_grad_norm}), "
+                       f"max_grad_norm={max_grad_norm}, cpu_threads={threads}), "
                        "bf16 params, "
                        "fp32 masters on the host")
     return build
@@ -197,6 +215,9 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap": ours("offload", stream_grads=True, overlap=True),
     "ours_offload_clip": ours("offload", max_grad_norm=CLIP),
     "ours_offload_overlap_clip": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP),
+    "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),
+    "ours_offload_overlap_clip_spare": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP,
+                                            spare_cores=1),
     "ours_cpu": ours("cpu"),
     "ours_gpu": ours("gpu"),
     "deepspeed_zero3_offload": deepspeed_zero3(1.0),

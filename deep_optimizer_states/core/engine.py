@@ -84,6 +84,8 @@ class UpdateStats:
     admitted: int = 0  # resident subgroups copied in for this update (counted in h2d_bytes)
     fallbacks: int = 0  # resident or staged subgroups that found no GPU memory and took the CPU path
     timeline: list[dict] | None = None  # with Engine.trace: every block of work, {lane, start, end, label}
+    params_written_s: float | None = None  # overlap: from the update's start until every param write was enqueued
+    forward_wait_s: float | None = None  # overlap: how long the caller was blocked waiting for those writes
 
 
 class _Slot:

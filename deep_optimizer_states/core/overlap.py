@@ -13,6 +13,7 @@ or the step count goes through ``synchronize()`` first (the optimizer calls it f
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterable
 
@@ -29,6 +30,9 @@ class UpdateInFlight:
         self._future: Future | None = None
         self._written: dict[int, tuple[threading.Event, object]] = {}
         self._lock = threading.Lock()
+        self._started = 0.0
+        self._last_written = 0.0  # perf_counter when the newest subgroup's params were enqueued
+        self._waited = 0.0  # seconds the caller's thread spent blocked in wait_for during this update
 
     @property
     def busy(self) -> bool:
@@ -40,9 +44,11 @@ class UpdateInFlight:
         assert self._future is None, "join the running update first"
         with self._lock:
             self._written = {i: (threading.Event(), None) for i in subgroups}
+        self._waited = 0.0
         self._future = self._thread.submit(self._run, update)
 
     def _run(self, update: Callable[[], object]) -> object:
+        self._started = self._last_written = time.perf_counter()
         try:
             with torch.no_grad():
                 return update()
@@ -58,6 +64,7 @@ class UpdateInFlight:
             if entry is None:
                 return
             self._written[index] = (entry[0], event)
+            self._last_written = time.perf_counter()
         entry[0].set()
 
     def wait_for(self, subgroups: Iterable[int]) -> None:
@@ -70,19 +77,27 @@ class UpdateInFlight:
             entry = self._written.get(i)
             if entry is None:
                 continue
-            entry[0].wait()
+            if not entry[0].is_set():
+                t = time.perf_counter()
+                entry[0].wait()
+                self._waited += time.perf_counter() - t
             event = self._written[i][1]
             if stream is not None and isinstance(event, torch.cuda.Event):
                 stream.wait_event(event)
 
     def join(self) -> object:
         """Wait for the update to end (the engine returns once every lane has run): its result, or its error
-        raised here."""
+        raised here. The result's ``params_written_s`` and ``forward_wait_s`` say how long the update took
+        to enqueue every param write and how long the caller's forward was blocked on it meanwhile."""
         future, self._future = self._future, None
         if future is None:
             return None
         try:
-            return future.result()
+            stats = future.result()
+            if hasattr(stats, "params_written_s"):
+                stats.params_written_s = self._last_written - self._started
+                stats.forward_wait_s = self._waited
+            return stats
         finally:
             self._written = {}
 
