@@ -409,10 +409,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if multipliers is None:  # inf/nan gradients: nothing updated
             return
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
+        streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
         plan = self.planner.refresh(self.residents.bytes())
+        landed = self.grad_stream.landed if self.grad_stream is not None else {}
+        if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
+            plan = streamed_for
+        self._ran = plan.placements
         self.residents.evict(keep={i for i, place in enumerate(plan.placements) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
-        landed = self.grad_stream.landed if self.grad_stream is not None else {}
         jobs = []
         for sg, place in zip(self.layout.subgroups, plan.placements):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
@@ -429,7 +433,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._after_update(has_grad)
 
     def _after_update(self, has_grad: list[list[bool]]) -> None:
-        self.planner.observe(self.last_update)
+        self.planner.observe(self.last_update, self._ran)
         self.layout.advance_steps(has_grad)
         self._expose_state()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import weakref
 
@@ -214,3 +215,33 @@ def test_a_forward_out_of_registration_order_and_reads_between_steps():
         for p1, p2 in zip(m1.parameters(), m2.parameters()):
             assert torch.equal(o1.master(p1), o2.master(p2))
     assert o1.grad_stream.sent > 0
+
+
+def test_a_plan_made_at_the_step_starts_with_the_next_backward():
+    """A new plan (refined rates on a GPU) comes at the step, after the backward streamed gradients for the
+    old one: that step still runs the old placements (not every streamed subgroup forced onto the CPU), the
+    next backward streams for the new plan, and every step stays bit-identical to the unstreamed run."""
+    model = mlp()
+    (m1, o1), (m2, o2) = _pair(model, schedule=2, subgroup_size=64)
+    first = list(o1.placements)
+    n, k = len(first), first.count(Placement.STAGED)
+    assert 0 < k < n
+    for opt in (o1, o2):
+        later = dataclasses.replace(opt.plan, placements=[Placement.CPU] * n)
+
+        def refresh(resident_bytes=0, opt=opt, later=later):
+            opt.planner.current = later
+            return later
+        opt.planner.refresh = refresh
+    gen1, gen2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    ran = []
+    for step in range(3):
+        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
+            o.zero_grad()
+            loss_of(m, gen).backward()
+            o.step()
+        ran.append((o1.last_update.cpu_subgroups, o1.last_update.staged_subgroups))
+        for p1, p2 in zip(m1.parameters(), m2.parameters()):
+            assert torch.equal(o1.master(p1), o2.master(p2)), f"step {step}: masters differ"
+    assert ran == [(n - k, k), (n, 0), (n, 0)]  # the first plan at the first step, then the new one
+    assert o1.grad_stream.sent == (n - k) + 2 * n  # the second and third backward streamed every subgroup

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -143,9 +143,9 @@ class Planner:
         """``rates`` if calibration has been loaded, without calibrating; else None."""
         return self.rates if self._calibrated is not None else None
 
-    def observe(self, stats: UpdateStats) -> None:
-        """Learn from a finished update. Skips the first update (one-off costs) and never calibrates for it:
-        a fixed schedule uses the cached rates if there are any."""
+    def observe(self, stats: UpdateStats, placements: Sequence[Placement] | None = None) -> None:
+        """Learn from a finished update that ran ``placements`` (default: the current plan's). Skips the first
+        update (one-off costs) and never calibrates for it: a fixed schedule uses the cached rates if any."""
         self._observed += 1
         if self._observed == 1 or self.device.type != "cuda":
             return
@@ -157,7 +157,8 @@ class Planner:
             self._calibrated = load_cached(self.device)
             if self._calibrated is None:
                 return
-        self.refiner.learn(self.sizes, self.current.placements, max(self.current.slots, 1), self._calibrated, stats)
+        ran = list(placements) if placements is not None else self.current.placements
+        self.refiner.learn(self.sizes, ran, max(self.current.slots, 1), self._calibrated, stats)
 
     def plan(self, schedule: Schedule) -> Plan:
         """A new plan for ``schedule``. Never measures: "auto" on a GPU without stored rates gets a provisional
