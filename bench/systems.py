@@ -139,7 +139,8 @@ def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int,
 
     return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), step,
                    sum(p.numel() for p in params), settings="torch.optim.AdamW(fused=True) on fp32 master copies "
-                   "on the GPU, bf16 params and grads (our numerics, no offload)")
+                   "on the GPU, bf16 params and grads (our numerics, no offload)"
+                   + (f", clip_grad_norm_({max_grad_norm})" if max_grad_norm is not None else ""))
 
 
 def torchao_offload(preset: str, device: torch.device, batch: int) -> Trainer:
