@@ -433,7 +433,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._after_update(has_grad)
 
     def _after_update(self, has_grad: list[list[bool]]) -> None:
-        self.planner.observe(self.last_update, self._ran)
+        self.planner.observe(self.last_update, self._ran, overlapped=self.overlapper is not None)
         self.layout.advance_steps(has_grad)
         self._expose_state()
 

@@ -188,3 +188,19 @@ def test_overlap_input_errors():
         DeepOptimizerStates(model.parameters(), model=list(model.parameters()))
     groups = [{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:], "weight_decay": 0.0}]
     assert DeepOptimizerStates(groups, model=model, overlap=True).overlapper is not None  # groups beside the model
+
+
+def test_the_planner_is_told_which_updates_ran_beside_the_next_forward():
+    """Refinement must not learn the rates of an update that shared the machine with forward and backward:
+    every update of an overlapped optimizer reaches the planner marked so, a synchronous one's not."""
+    seen = {}
+    for overlap in (True, False):
+        model = mlp()
+        opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, overlap=overlap)
+        calls = seen.setdefault(overlap, [])
+        real = opt.planner.observe
+        opt.planner.observe = lambda stats, placements=None, overlapped=False, calls=calls, real=real: (
+            calls.append(overlapped), real(stats, placements, overlapped))
+        _run(model, opt, torch.Generator().manual_seed(0), 3)
+        opt.synchronize()
+    assert seen == {True: [True] * 3, False: [False] * 3}

@@ -280,6 +280,22 @@ def test_refinement_ignores_the_first_update_and_outliers_and_never_calibrates(m
     assert planner.factors["cpu_engine"] == pytest.approx(0.9)
 
 
+def test_updates_run_beside_forward_and_backward_teach_nothing(monkeypatch):
+    """An overlapped update's times include the next forward's and backward's contention: the same telemetry
+    that refines the CPU's rate from a synchronous update leaves every factor at 1 when it was overlapped,
+    and the placements made on the calibrated rates stay."""
+    sizes = equal(16)
+    truth = replace(H200_LIKE, cpu_engine=0.5 * H200_LIKE.cpu_engine)
+    overlapped, synchronous = (_cuda_planner(monkeypatch, sizes, H200_LIKE) for _ in range(2))
+    for planner, flag in ((overlapped, True), (synchronous, False)):
+        planner.plan("cpu")
+        for _ in range(5):
+            real = predict(sizes, planner.current.placements, truth, 2)
+            planner.observe(_telemetry(planner.current.placements, real.cpu_s, real.seconds), overlapped=flag)
+    assert overlapped.factors == {"cpu_engine": 1.0, "cpu_contended": 1.0, "link_contended": 1.0}
+    assert synchronous.factors["cpu_engine"] == pytest.approx(0.5)
+
+
 def _link_bound(sizes, r):
     """A mix of half the subgroups staged: the link bounds it on H200-like rates."""
     places = spread(len(sizes), len(sizes) // 2)

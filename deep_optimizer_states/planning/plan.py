@@ -143,11 +143,16 @@ class Planner:
         """``rates`` if calibration has been loaded, without calibrating; else None."""
         return self.rates if self._calibrated is not None else None
 
-    def observe(self, stats: UpdateStats, placements: Sequence[Placement] | None = None) -> None:
+    def observe(self, stats: UpdateStats, placements: Sequence[Placement] | None = None,
+                overlapped: bool = False) -> None:
         """Learn from a finished update that ran ``placements`` (default: the current plan's). Skips the first
-        update (one-off costs) and never calibrates for it: a fixed schedule uses the cached rates if any."""
+        update (one-off costs) and never calibrates for it: a fixed schedule uses the cached rates if any.
+        An update that ran beside the next forward and backward (``overlapped``) teaches nothing: its times
+        show their contention, not the rates of an update the model prices; learning from them moved the
+        1.36B plans on an H200 towards staging everything, and the iterations got slower
+        (docs/benchmarks/overlap.md)."""
         self._observed += 1
-        if self._observed == 1 or self.device.type != "cuda":
+        if self._observed == 1 or self.device.type != "cuda" or overlapped:
             return
         if self._calibrated is None:
             if self.sync.collective:  # ranks decided together at construction: loading now could split them
