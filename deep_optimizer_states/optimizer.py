@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from .core import state_io
+from . import state_io
 from .core.adam import AdamHyper, check_group
 from .core.engine import DEFAULT_STAGING_SLOTS, Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norms, total_norm
@@ -144,6 +144,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                             if stream_grads else None)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
+        self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
         if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
             self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
             weakref.finalize(self, self._hook.remove)

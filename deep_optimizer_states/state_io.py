@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .adam import check_group
-from .layout import DTensor, local
+from .core.adam import check_group
+from .core.layout import DTensor, local
 
 if TYPE_CHECKING:
-    from ..optimizer import DeepOptimizerStates
+    from .optimizer import DeepOptimizerStates
 
 FORMAT_VERSION = 2
 _MOMENTS = ("exp_avg", "exp_avg_sq")
