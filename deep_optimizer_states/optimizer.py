@@ -19,7 +19,7 @@ from .core.grad_stream import GradStream
 from .core.host_state import HostState, ParamState
 from .core.lanes import current_point
 from .core.layout import Layout, local
-from .core.overlap import UpdateInFlight
+from .core.overlap import HeldGrads, UpdateInFlight
 from .core.residency import Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
@@ -441,9 +441,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _start_update(self, jobs: list[Job], multipliers: list[torch.Tensor], slots: int, landed: dict,
                       has_grad: list[list[bool]]) -> None:
         """Leave the update running (``overlap=True``): it reads this step's gradients (held here, so that
-        zero_grad and the next backward may replace them) after the point where they are complete."""
+        zero_grad and the next backward may replace them) after the point where they are complete, and lets
+        go of each as soon as the subgroups holding it have read it."""
         ready = current_point(self.device)
-        grads = {id(p): (local(p.grad) if p.grad is not None else None) for b in self.layout.buckets for p in b.params}
+        grads = HeldGrads({id(p): (local(p.grad) if p.grad is not None else None)
+                           for b in self.layout.buckets for p in b.params},
+                          [j.subgroup for j in jobs if j.subgroup.index not in landed])
 
         def update() -> UpdateStats:  # touches no param's .grad: the next backward may be writing them
             return self.engine.update(jobs, multipliers, slots, self.residents, landed, ready=ready, grads=grads,
@@ -618,10 +621,12 @@ def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
 
 
 def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptimizerStates]") -> list:
-    """Forward pre-hooks that make each module with params of its own wait for the subgroups holding them,
-    and hooks that end the update before the model's state_dict is read or loaded."""
+    """Forward pre-hooks that make each module with params of its own wait for the subgroups holding them;
+    gradient hooks that make a backward wait the same way before it accumulates into a gradient the update
+    may still read (autograd adds in place; after a forward it has waited already, but a backward through a
+    retained graph has not); and hooks that end the update before the model's state_dict is read or loaded."""
     def waits(indices: frozenset) -> Callable:
-        def hook(module: nn.Module, args: tuple) -> None:
+        def hook(*args: Any) -> None:
             opt = ref()
             if opt is not None and opt.overlapper is not None:
                 opt.overlapper.wait_for(indices)
@@ -638,6 +643,9 @@ def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptim
                             for sg in layout.subgroups_of(*layout.where[id(p)]))
         if indices:
             handles.append(m.register_forward_pre_hook(waits(indices)))
+    for b in layout.buckets:
+        for i, p in enumerate(b.params):
+            handles.append(p.register_hook(waits(frozenset(sg.index for sg in layout.subgroups_of(b, i)))))
     handles.append(model.register_state_dict_pre_hook(sync))
     handles.append(model.register_load_state_dict_pre_hook(sync))
     return handles

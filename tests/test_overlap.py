@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
-from deep_optimizer_states.core import engine
+from deep_optimizer_states.core import engine, layout
 from tests.harness import loss_of, mlp, tiny_llama
 
 R, S, C = Placement.RESIDENT, Placement.STAGED, Placement.CPU
@@ -204,3 +204,88 @@ def test_the_planner_is_told_which_updates_ran_beside_the_next_forward():
         _run(model, opt, torch.Generator().manual_seed(0), 3)
         opt.synchronize()
     assert seen == {True: [True] * 3, False: [False] * 3}
+
+
+def _held_grads_run(monkeypatch, zero_grad: bool):
+    """One overlapped step whose update starts gathering only after the caller has (or has not) zeroed the
+    gradients; returns the model, weak references to the gradients and how many were alive at each AdamW."""
+    import weakref
+
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, overlap=True, schedule="gpu")
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    held = [weakref.ref(p.grad) for p in model.parameters()]
+    go, alive_at_adam = threading.Event(), []
+    real_gather, real_adam = layout.Subgroup.gather_grads, engine.adam_update
+
+    def gather(self, *args, **kwargs):
+        go.wait()
+        return real_gather(self, *args, **kwargs)
+
+    def counting(*args, **kwargs):
+        alive_at_adam.append(sum(r() is not None for r in held))
+        return real_adam(*args, **kwargs)
+
+    monkeypatch.setattr(layout.Subgroup, "gather_grads", gather)
+    monkeypatch.setattr(engine, "adam_update", counting)
+    opt.step()
+    if zero_grad:
+        opt.zero_grad()
+    go.set()
+    opt.synchronize()
+    return model, held, alive_at_adam
+
+
+def test_the_update_lets_go_of_each_gradient_once_its_subgroups_have_read_it(monkeypatch):
+    """zero_grad (to None) leaves the running update the only holder of this step's gradients: each must be
+    freed as soon as every subgroup holding it has gathered it (so the next backward's gradients do not
+    share the GPU with them), not when the update ends: by the last subgroup's AdamW most are gone. The
+    values read are the right ones: the params equal those of the synchronous update."""
+    model, held, alive_at_adam = _held_grads_run(monkeypatch, zero_grad=True)
+    assert alive_at_adam[-1] <= 1 < len(held)  # only the last param's may still be held at the last AdamW
+    assert all(r() is None for r in held)
+    ref = DeepOptimizerStates(mlp(), lr=1e-2, subgroup_size=3000, schedule="gpu")
+    loss_of(ref.module, torch.Generator().manual_seed(0)).backward()
+    ref.step()
+    for p, q in zip(model.parameters(), ref.module.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_gradients_the_params_still_hold_stay(monkeypatch):
+    """Without zero_grad the update's letting go frees nothing: every gradient stays as .grad, as torch
+    leaves it."""
+    _, held, alive_at_adam = _held_grads_run(monkeypatch, zero_grad=False)
+    assert alive_at_adam == [len(held)] * len(alive_at_adam) and all(r() is not None for r in held)
+
+
+def test_a_backward_through_a_retained_graph_waits_before_accumulating(monkeypatch):
+    """Autograd accumulates into .grad in place. Without zero_grad, a backward while the update runs (through
+    a retained graph: no forward has waited) must not change a gradient before the update has read it: the
+    step equals the synchronous one on the first backward's gradients, and .grad ends as their sum."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        return model, model(torch.randn(2, 4, generator=torch.Generator().manual_seed(1))).square().sum()
+
+    model, loss = build()
+    opt = DeepOptimizerStates(model, lr=1e-2, overlap=True, schedule="gpu")
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    go, real = threading.Event(), layout.Subgroup.gather_grads
+
+    def late(self, *args, **kwargs):  # the update reads the gradients only once the backward has started
+        go.wait()
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(layout.Subgroup, "gather_grads", late)
+    opt.step()
+    threading.Timer(0.1, go.set).start()
+    loss.backward()
+    opt.synchronize()
+    twin, twin_loss = build()
+    ref = DeepOptimizerStates(twin, lr=1e-2, schedule="gpu")
+    twin_loss.backward()
+    ref.step()
+    for p, q, g in zip(model.parameters(), twin.parameters(), first):
+        assert torch.equal(p, q)
+        torch.testing.assert_close(p.grad, 2 * g)

@@ -101,6 +101,8 @@ def _grads_fp32(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None,
     """dst = the subgroup's gradients in fp32 * m1 * m2 ..., gathered and up-cast on the GPU (not the host)."""
     work = dst if scratch is None else scratch[: sg.numel]
     sg.gather_grads(work, grads)
+    if hasattr(grads, "gathered"):  # overlap.HeldGrads: those read by every subgroup may go
+        grads.gathered(sg)
     for m in multipliers:
         work.mul_(m)
     if work is not dst:

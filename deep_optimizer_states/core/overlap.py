@@ -5,8 +5,9 @@ inf/nan check, clipping and unscale factors, the plan) and hands the update itse
 thread. The next forward runs beside it: a forward pre-hook on every module waits only for the subgroups
 that hold that module's params (a CPU wait until the subgroup's write was enqueued, then a CUDA event
 wait on the caller's stream), and the update runs first subgroups first, in the order the forward visits
-the layers. The gradients the update reads are the ones of this step, held by reference, so ``zero_grad``
-(to None) and the next backward may come at any time. Anything else that reads or writes params, states
+the layers. The gradients the update reads are the ones of this step, held by reference (``HeldGrads``),
+so ``zero_grad`` (to None) and the next backward may come at any time; each is let go as soon as the
+subgroups holding it have read it, so the next backward's gradients do not share the GPU with them. Anything else that reads or writes params, states
 or the step count goes through ``synchronize()`` first (the optimizer calls it for its own entry points).
 """
 
@@ -15,9 +16,35 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from .layout import Subgroup
+
+
+class HeldGrads(dict):
+    """This step's gradients by id(param), held for an update left running. ``gathered(sg)`` (called by the
+    engine once subgroup ``sg``'s gathering copies are enqueued, on the stream that runs them) lets go of
+    each gradient whose every reading subgroup has gathered it; on a GPU the memory is not reused before
+    those copies have run (``record_stream``)."""
+
+    def __init__(self, grads: dict, readers: Sequence["Subgroup"]) -> None:
+        super().__init__(grads)
+        self._left: dict[int, int] = {}
+        for sg in readers:
+            for key in {id(sg.bucket.params[pc.i]) for pc in sg.pieces}:
+                self._left[key] = self._left.get(key, 0) + 1
+        self._lock = threading.Lock()  # the CPU worker gathers too (the CPU path's gradients)
+
+    def gathered(self, sg: "Subgroup") -> None:
+        with self._lock:
+            for key in {id(sg.bucket.params[pc.i]) for pc in sg.pieces}:
+                self._left[key] = self._left.get(key, 0) - 1
+                grad = self.pop(key, None) if self._left[key] == 0 else None
+                if grad is not None and grad.is_cuda:
+                    grad.record_stream(torch.cuda.current_stream(grad.device))
 
 
 class UpdateInFlight:
