@@ -124,9 +124,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if overlap and self.module is None:
             raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
                              "pass the model itself as the first argument, or as model= beside param groups")
-        if overlap and self.group is not None:
-            raise ValueError("overlap=True is not supported under FSDP2 yet (its all-gathers read the shards before "
-                             "a module's forward hooks run): leave it False there")
         threads = cpu_threads_per_rank(cpu_threads)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
@@ -149,9 +146,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
             weakref.finalize(self, self._hook.remove)
         self._overlap_handles: list = []
+        self._need_order: dict[int, int] = {}  # overlap: subgroup index -> when the next forward first reads it
         if overlap:
             self.overlapper = UpdateInFlight(self.device)
-            self._overlap_handles = _overlap_hooks(self.module, self.layout, weakref.ref(self))
+            self._overlap_handles, self._need_order = _overlap_hooks(self.module, self.layout, weakref.ref(self))
             weakref.finalize(self, _remove_all, self._overlap_handles)
             weakref.finalize(self, self.overlapper.close)
         self.schedule = schedule
@@ -444,6 +442,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         zero_grad and the next backward may replace them) after the point where they are complete, and lets
         go of each as soon as the subgroups holding it have read it."""
         ready = current_point(self.device)
+        last = len(self._need_order)
+        jobs = sorted(jobs, key=lambda j: self._need_order.get(j.subgroup.index, last))  # as the forward reads
         grads = HeldGrads({id(p): (local(p.grad) if p.grad is not None else None)
                            for b in self.layout.buckets for p in b.params},
                           [j.subgroup for j in jobs if j.subgroup.index not in landed])
@@ -620,16 +620,23 @@ def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
     return hook
 
 
-def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptimizerStates]") -> list:
-    """Forward pre-hooks that make each module with params of its own wait for the subgroups holding them;
-    gradient hooks that make a backward wait the same way before it accumulates into a gradient the update
-    may still read (autograd adds in place; after a forward it has waited already, but a backward through a
-    retained graph has not); and hooks that end the update before the model's state_dict is read or loaded."""
-    def waits(indices: frozenset) -> Callable:
+def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptimizerStates]") -> tuple[list, dict]:
+    """Hooks that keep an update left running exact, and the order in which the next forward needs the
+    subgroups (subgroup index -> rank; the update goes in that order):
+
+    - a forward pre-hook per module that reads params: it waits for the subgroups holding them. Without
+      FSDP2 that is each module with params of its own; under FSDP2 each ``fully_shard`` unit, whose own
+      pre-hook all-gathers its shards on a stream of its own, so ours runs first and waits on the host;
+    - without FSDP2, a gradient hook per param that makes a backward wait the same way before autograd
+      accumulates into a gradient the update may still read (after a forward it has waited already; a
+      backward through a retained graph has not). FSDP2 writes sharded gradients itself, after the
+      forward's waits;
+    - hooks that end the update before the model's state_dict is read or loaded."""
+    def waits(indices: frozenset, on_host: bool = False) -> Callable:
         def hook(*args: Any) -> None:
             opt = ref()
             if opt is not None and opt.overlapper is not None:
-                opt.overlapper.wait_for(indices)
+                opt.overlapper.wait_for(indices, on_host)
         return hook
 
     def sync(*args: Any) -> None:
@@ -637,18 +644,41 @@ def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptim
         if opt is not None:
             opt.synchronize()
 
-    handles = []
-    for m in model.modules():
-        indices = frozenset(sg.index for p in m.parameters(recurse=False) if id(p) in layout.where
-                            for sg in layout.subgroups_of(*layout.where[id(p)]))
+    def subgroups(params: Iterable[torch.Tensor]) -> frozenset:
+        return frozenset(sg.index for p in params if id(p) in layout.where
+                         for sg in layout.subgroups_of(*layout.where[id(p)]))
+
+    handles, need = [], {}
+    units = [m for m in model.modules() if _is_fsdp_unit(m)]
+    for m in units or list(model.modules()):
+        if units:  # the unit's own params: not those of the units inside it
+            inner = {id(p) for u in m.modules() if u is not m and _is_fsdp_unit(u) for p in u.parameters()}
+            indices = subgroups(p for p in m.parameters() if id(p) not in inner)
+        else:
+            indices = subgroups(m.parameters(recurse=False))
         if indices:
-            handles.append(m.register_forward_pre_hook(waits(indices)))
-    for b in layout.buckets:
-        for i, p in enumerate(b.params):
-            handles.append(p.register_hook(waits(frozenset(sg.index for sg in layout.subgroups_of(b, i)))))
+            handles.append(m.register_forward_pre_hook(waits(indices, on_host=bool(units)), prepend=True))
+            for i in sorted(indices):
+                need.setdefault(i, len(need))
+    if not units:
+        for b in layout.buckets:
+            for i, p in enumerate(b.params):
+                handles.append(p.register_hook(waits(frozenset(sg.index for sg in layout.subgroups_of(b, i)))))
     handles.append(model.register_state_dict_pre_hook(sync))
     handles.append(model.register_load_state_dict_pre_hook(sync))
-    return handles
+    return handles, need
+
+
+def _is_fsdp_unit(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to this module (FSDP2; torch >= 2.5)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        try:  # torch 2.5
+            from torch.distributed._composable.fsdp import FSDPModule
+        except ImportError:  # torch built without distributed support
+            return False
+    return isinstance(module, FSDPModule)
 
 
 def _remove_all(handles: list) -> None:

@@ -8,6 +8,8 @@ Modes:
   load   load that DCP checkpoint on another number of ranks, train on; rank 0 writes the final full params.
   mixed_precision  fp32 shards, bf16 compute, fp32 reduce (MixedPrecisionPolicy) against torch AdamW on a twin.
   nonfinite  an inf in one rank's gradients: every rank skips that step, then all follow torch AdamW.
+  overlap  overlap=True against the same optimizer without, bit for bit at every step (losses, shards and
+         states), with every AdamW call slowed down so that the next forward's all-gathers must wait.
   calibrate  every rank plans together (RankSync): a stored calibration on some ranks only must not split
          them; writes each rank's rates and how many barriers it passed to --out, as JSON.
 """
@@ -92,10 +94,11 @@ def write_final(model: nn.Module, out: str, what: str) -> None:
         torch.save(final, os.path.join(out, f"{what}_{dist.get_world_size()}.pt"))
 
 
-def ours(model: nn.Module, schedule, stream: bool = False) -> DeepOptimizerStates:
+def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False) -> DeepOptimizerStates:
     """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn."""
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=97, max_grad_norm=MAX_NORM,
-                              schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream)
+                              schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream,
+                              overlap=overlap)
     if schedule == "mixed":
         opt.schedule = [("resident", "staged", "cpu")[i % 3] for i in range(len(opt.layout.subgroups))]
     return opt
@@ -219,6 +222,52 @@ def load_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
     write_final(model, out, "resumed")
 
 
+def overlap_mode(steps: int, schedule, stream: bool) -> None:
+    """The update left running must be invisible: each fully_shard unit's all-gather (for a block of
+    layers, before any hook of the layers inside it) waits for the subgroups of its own shards, the root's
+    too (its own last layer); the slowed AdamW makes the forward reach them before they are written."""
+    import time
+
+    from deep_optimizer_states.core import engine
+
+    real = engine.adam_update
+
+    def slow(*args, **kwargs):
+        time.sleep(0.002)
+        return real(*args, **kwargs)
+
+    def blocks() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Sequential(nn.Linear(13, 29), nn.GELU(), nn.Linear(29, 31)),
+                              nn.Sequential(nn.LayerNorm(31), nn.Linear(31, 5)), nn.Linear(5, 5)).to(DEVICE)
+        mesh = init_device_mesh(DEVICE.type, (dist.get_world_size(),))
+        for block in list(model)[:2]:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)  # the root holds the last Linear
+
+    engine.adam_update = slow
+    model, twin = blocks(), blocks()
+    opt, ref = ours(model, schedule, stream, overlap=True), ours(twin, schedule, stream)
+    losses = {}
+    for m, o in ((model, opt), (twin, ref)):  # one after the other: each forward comes right after a step
+        for step in range(steps):
+            o.zero_grad()
+            for micro in range(MICRO):
+                x, y = (my_rows(t) for t in batch(step, micro))
+                with o.accumulating() if micro < MICRO - 1 else contextlib.nullcontext():
+                    loss = (m(x) - y).pow(2).mean() / MICRO  # the overlapped model waits here, unit by unit
+                    losses.setdefault(id(o), []).append(loss.detach().clone())
+                    loss.backward()
+            o.step()
+    for k, (a, b) in enumerate(zip(losses[id(opt)], losses[id(ref)])):
+        assert torch.equal(a, b), f"step {k // MICRO}: an all-gather read shards the update had not written yet"
+    opt.synchronize()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+        assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    print(f"rank {dist.get_rank()}: overlapped, {steps} steps equal the synchronous run bit for bit", flush=True)
+
+
 def calibrate_mode(out: str) -> None:
     """Rank 0 has a stored calibration, the others none (each its own cache folder): all must measure, in
     lock-step, and keep the same (averaged) rates; then, with a file stored everywhere, all load it."""
@@ -248,7 +297,8 @@ def calibrate_mode(out: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite"])
+    ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite",
+                                     "overlap"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -275,6 +325,8 @@ def main() -> None:
             mixed_precision_mode(args.steps, schedule)
         elif args.mode == "nonfinite":
             nonfinite_mode(args.steps, schedule, args.stream)
+        elif args.mode == "overlap":
+            overlap_mode(args.steps, schedule, args.stream)
         else:
             load_mode(args.ckpt, args.before, args.after, args.out, schedule)
     finally:

@@ -56,6 +56,15 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks, schedule, stream
     assert out.count("skipped the poisoned step with the others, 4 steps equal torch AdamW") == ranks
 
 
+@pytest.mark.parametrize("ranks,schedule,stream", [(2, "cpu", False), (3, "mixed", False), (2, "2", True)])
+def test_overlap_under_fsdp2_equals_the_synchronous_run(ranks, schedule, stream):
+    """overlap=True under FSDP2: each fully_shard unit (a block of layers, and the root with a layer of its
+    own) waits for its shards' writes before its all-gather, so the next forward, started at once while a
+    slowed AdamW still runs, computes the same losses; shards and states end bit for bit equal."""
+    out = torchrun(ranks, "overlap", "--steps", "4", "--schedule", schedule, *(["--stream"] if stream else []))
+    assert out.count("overlapped, 4 steps equal the synchronous run bit for bit") == ranks
+
+
 def test_mixed_precision_policy_shards_match_torch_adamw():
     """torchtitan's setting: fp32 sharded params, bf16 all-gather and compute, fp32 reduce-scatter."""
     out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed")
@@ -131,6 +140,21 @@ def test_dos_train_under_torchrun_is_data_parallel_over_the_ranks(tmp_path):
     assert a[-1] < 0.9 * a[0], "the loss falls"
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {step}: 2 ranks {x}, 1 process with the same batches {y}"
+
+
+def test_dos_train_under_torchrun_with_overlap_trains_bit_for_bit_like_without(tmp_path):
+    """The Llama model sharded per decoder layer plus the root (embeddings, final norm, head): --overlap
+    leaves each update running beside the next forward's all-gathers and gives the same losses exactly."""
+    common = ["train", "--hidden", "64", "--layers", "2", "--seq", "32", "--micro-batch", "4", "--data-mb", "0.2",
+              "--steps", "5", "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "8", "--no-progress",
+              "--schedule", "2", "--subgroup-size", "5000", "--accum", "2"]
+    losses = {}
+    for flag in ([], ["--overlap"]):
+        path = tmp_path / f"summary{len(flag)}.json"
+        out = torchrun(2, *common, *flag, "--summary-json", str(path), target=["-m", "deep_optimizer_states"])
+        assert out.count("done: steps 1-5") == 1, out[-2000:]
+        losses[bool(flag)] = [loss for _, loss in json.loads(path.read_text())["losses"]]
+    assert losses[True] == losses[False]
 
 
 def test_dos_train_under_torchrun_checkpoints_with_dcp_and_resumes_on_2_ranks_and_1(tmp_path):

@@ -94,9 +94,10 @@ class UpdateInFlight:
             self._last_written = time.perf_counter()
         entry[0].set()
 
-    def wait_for(self, subgroups: Iterable[int]) -> None:
+    def wait_for(self, subgroups: Iterable[int], on_host: bool = False) -> None:
         """Make the caller's work wait until these subgroups' params are written: the host until the write
-        is enqueued, the caller's CUDA stream until it has run."""
+        is enqueued, then the caller's CUDA stream until it has run; with ``on_host``, the host until it
+        has run (for readers on streams of their own, such as FSDP2's all-gathers)."""
         if self._future is None:
             return
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
@@ -104,13 +105,16 @@ class UpdateInFlight:
             entry = self._written.get(i)
             if entry is None:
                 continue
+            t = time.perf_counter()
             if not entry[0].is_set():
-                t = time.perf_counter()
                 entry[0].wait()
-                self._waited += time.perf_counter() - t
             event = self._written[i][1]
-            if stream is not None and isinstance(event, torch.cuda.Event):
-                stream.wait_event(event)
+            if isinstance(event, torch.cuda.Event):
+                if on_host:
+                    event.synchronize()
+                elif stream is not None:
+                    stream.wait_event(event)
+            self._waited += time.perf_counter() - t
 
     def join(self) -> object:
         """Wait for the update to end (the engine returns once every lane has run): its result, or its error

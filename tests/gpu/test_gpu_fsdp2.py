@@ -43,3 +43,12 @@ def test_an_inf_on_one_gpu_skips_the_step_on_both(stream):
     out = torchrun(2, "nonfinite", "--steps", "5", "--schedule", "mixed", *(["--stream"] if stream else []),
                    "--device", "cuda")
     assert out.count("skipped the poisoned step with the others, 4 steps equal torch AdamW") == 2
+
+
+@pytest.mark.parametrize("schedule,stream", [("mixed", False), ("2", True)])
+def test_overlap_under_fsdp2_on_two_gpus(schedule, stream):
+    """overlap=True: each fully_shard unit's all-gather (on FSDP2's own streams) waits on the host for the
+    writes of its shards; bit for bit against the synchronous update, with AdamW slowed down."""
+    out = torchrun(2, "overlap", "--steps", "4", "--schedule", schedule, *(["--stream"] if stream else []),
+                   "--device", "cuda")
+    assert out.count("overlapped, 4 steps equal the synchronous run bit for bit") == 2
