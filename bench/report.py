@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bench.run_system import DATA_SEED
-from bench.systems import OURS, REFERENCE, SYSTEMS
+from bench.systems import OURS, REFERENCE
 
 # Per step, |ours - reference| over the reference's first loss. Relative to each step's own loss would blow up
 # as a memorised batch's loss nears 0. Ours and the reference (same numerics) stay within 0.05% on the H200;

@@ -19,7 +19,7 @@ from .core.grad_stream import GradStream
 from .core.host_state import HostState, ParamState
 from .core.lanes import current_point
 from .core.layout import Layout, local
-from .core.overlap import HeldGrads, UpdateInFlight
+from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.residency import Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
@@ -149,7 +149,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._need_order: dict[int, int] = {}  # overlap: subgroup index -> when the next forward first reads it
         if overlap:
             self.overlapper = UpdateInFlight(self.device)
-            self._overlap_handles, self._need_order = _overlap_hooks(self.module, self.layout, weakref.ref(self))
+            self._overlap_handles, self._need_order = install_waits(self.module, self.layout, weakref.ref(self))
             weakref.finalize(self, _remove_all, self._overlap_handles)
             weakref.finalize(self, self.overlapper.close)
         self.schedule = schedule
@@ -618,67 +618,6 @@ def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
         if opt is not None:
             opt._before_forward(args, kwargs)
     return hook
-
-
-def _overlap_hooks(model: nn.Module, layout: Layout, ref: "weakref.ref[DeepOptimizerStates]") -> tuple[list, dict]:
-    """Hooks that keep an update left running exact, and the order in which the next forward needs the
-    subgroups (subgroup index -> rank; the update goes in that order):
-
-    - a forward pre-hook per module that reads params: it waits for the subgroups holding them. Without
-      FSDP2 that is each module with params of its own; under FSDP2 each ``fully_shard`` unit, whose own
-      pre-hook all-gathers its shards on a stream of its own, so ours runs first and waits on the host;
-    - without FSDP2, a gradient hook per param that makes a backward wait the same way before autograd
-      accumulates into a gradient the update may still read (after a forward it has waited already; a
-      backward through a retained graph has not). FSDP2 writes sharded gradients itself, after the
-      forward's waits;
-    - hooks that end the update before the model's state_dict is read or loaded."""
-    def waits(indices: frozenset, on_host: bool = False) -> Callable:
-        def hook(*args: Any) -> None:
-            opt = ref()
-            if opt is not None and opt.overlapper is not None:
-                opt.overlapper.wait_for(indices, on_host)
-        return hook
-
-    def sync(*args: Any) -> None:
-        opt = ref()
-        if opt is not None:
-            opt.synchronize()
-
-    def subgroups(params: Iterable[torch.Tensor]) -> frozenset:
-        return frozenset(sg.index for p in params if id(p) in layout.where
-                         for sg in layout.subgroups_of(*layout.where[id(p)]))
-
-    handles, need = [], {}
-    units = [m for m in model.modules() if _is_fsdp_unit(m)]
-    for m in units or list(model.modules()):
-        if units:  # the unit's own params: not those of the units inside it
-            inner = {id(p) for u in m.modules() if u is not m and _is_fsdp_unit(u) for p in u.parameters()}
-            indices = subgroups(p for p in m.parameters() if id(p) not in inner)
-        else:
-            indices = subgroups(m.parameters(recurse=False))
-        if indices:
-            handles.append(m.register_forward_pre_hook(waits(indices, on_host=bool(units)), prepend=True))
-            for i in sorted(indices):
-                need.setdefault(i, len(need))
-    if not units:
-        for b in layout.buckets:
-            for i, p in enumerate(b.params):
-                handles.append(p.register_hook(waits(frozenset(sg.index for sg in layout.subgroups_of(b, i)))))
-    handles.append(model.register_state_dict_pre_hook(sync))
-    handles.append(model.register_load_state_dict_pre_hook(sync))
-    return handles, need
-
-
-def _is_fsdp_unit(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` was applied to this module (FSDP2; torch >= 2.5)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:  # torch 2.5
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:  # torch built without distributed support
-            return False
-    return isinstance(module, FSDPModule)
 
 
 def _remove_all(handles: list) -> None:
