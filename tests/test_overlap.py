@@ -289,3 +289,29 @@ def test_a_backward_through_a_retained_graph_waits_before_accumulating(monkeypat
     for p, q, g in zip(model.parameters(), twin.parameters(), first):
         assert torch.equal(p, q)
         torch.testing.assert_close(p.grad, 2 * g)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_held_gradients_go_exactly_when_their_last_reader_has_gathered(seed):
+    """Params spanning several subgroups, subgroups spanning several params, some subgroups not reading
+    (their gradients went down during backward), gathered in a random order: each gradient stays while a
+    reader is still to gather it and goes with the last one."""
+    from deep_optimizer_states.core.overlap import HeldGrads
+
+    rng = torch.Generator().manual_seed(seed)
+    model = mlp()
+    opt = DeepOptimizerStates(model, subgroup_size=int(torch.randint(50, 700, (), generator=rng)))
+    subgroups = opt.layout.subgroups
+    readers = [sg for sg in subgroups if torch.rand((), generator=rng) < 0.8]
+    params = list(model.parameters())
+    grads = HeldGrads({id(p): torch.zeros(1) for p in params}, readers)
+    left = {id(p): sum(any(sg.bucket.params[pc.i] is p for pc in sg.pieces) for sg in readers) for p in params}
+    for k in torch.randperm(len(readers), generator=rng).tolist():
+        sg = readers[k]
+        grads.gathered(sg)
+        for p in {id(q): q for q in (sg.bucket.params[pc.i] for pc in sg.pieces)}.values():
+            left[id(p)] -= 1
+        for p in params:
+            assert (id(p) in grads) == (left[id(p)] > 0 or not any(
+                any(r.bucket.params[pc.i] is p for pc in r.pieces) for r in readers))
+    opt.close()
