@@ -2,13 +2,14 @@
 
 ``step()`` does everything that needs all gradients at once on the caller's thread (the global norm, the
 inf/nan check, clipping and unscale factors, the plan) and hands the update itself to one background
-thread. The next forward runs beside it: a forward pre-hook on every module waits only for the subgroups
-that hold that module's params (a CPU wait until the subgroup's write was enqueued, then a CUDA event
-wait on the caller's stream), and the update runs first subgroups first, in the order the forward visits
-the layers. The gradients the update reads are the ones of this step, held by reference (``HeldGrads``),
-so ``zero_grad`` (to None) and the next backward may come at any time; each is let go as soon as the
-subgroups holding it have read it, so the next backward's gradients do not share the GPU with them. Anything else that reads or writes params, states
-or the step count goes through ``synchronize()`` first (the optimizer calls it for its own entry points).
+thread. The next forward runs beside it: a forward pre-hook on every module that reads params waits only
+for the subgroups holding them (a CPU wait until the subgroup's write was enqueued, then a CUDA event wait
+on the caller's stream; under FSDP2, in front of each ``fully_shard`` unit's all-gather, a host wait until
+the write has run), and the update goes in the order the forward reads the subgroups. The gradients the
+update reads are the ones of this step, held by reference (``HeldGrads``), so ``zero_grad`` (to None) and
+the next backward may come at any time; each is let go as soon as the subgroups holding it have read it.
+Anything else that reads or writes params, states or the step count goes through ``synchronize()`` first
+(the optimizer calls it for its own entry points).
 """
 
 from __future__ import annotations
