@@ -77,7 +77,7 @@ def _is_oom(e: BaseException) -> bool:
 
 def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: int, micro_batch: int, seq: int,
         device: torch.device, data_seed: int = DATA_SEED) -> dict:
-    """Set the system up, train warmup + iters steps, and return its result row."""
+    """Set the system up, train warmup + 2 x iters steps (see the module docstring), return its result row."""
     row = {"system": system, "model": model, "budget_gb": budget_gb, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
            "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
