@@ -71,6 +71,25 @@ def test_table_and_ratios_show_every_system_including_failures():
     assert "torchao_offload: iteration x2.00" in r and "twinflow_0.5: iteration x3.00" in r
 
 
+def test_peers_measured_once_are_placed_under_each_budget_by_their_peak():
+    """Ours runs at every budget; a peer runs once at the whole device: under a budget it shows as there if
+    its peak fits, as not fitting if not, marked either way; a peer measured at a budget keeps its row."""
+    rows = [_row("ours_auto", budget=b, iter_s=0.5) for b in (24, 40)] + [
+        _row("deepspeed_zero3_offload", iter_s=2.0, model="1.36b", peak=31.7),
+        _row("fsdp2_offload", iter_s=2.5, peak=20.8), _row("fsdp2_offload", budget=40, iter_s=2.6, peak=20.8)]
+    for r in rows:
+        r["peak_gpu_GB"] = r.pop("peak", r["peak_gpu_GB"])
+    placed = {(r["budget_gb"], r["system"]): r for r in report.by_footprint(rows)}
+    assert set(placed) == {(24, "deepspeed_zero3_offload"), (40, "deepspeed_zero3_offload"), (24, "fsdp2_offload")}
+    assert placed[(24, "deepspeed_zero3_offload")]["status"] == "oom"
+    assert placed[(40, "deepspeed_zero3_offload")]["status"] == "ok" and placed[(24, "fsdp2_offload")]["iter_s"] == 2.5
+    assert all(r["by_footprint"] for r in placed.values())
+    text = report.table(rows + list(placed.values()))
+    assert "deepspeed_zero3_offload (whole-device run, by its peak) | 24 GB | does not fit" in text
+    assert "fsdp2_offload (whole-device run, by its peak) | 24 GB | 0.100" in text
+    assert "fsdp2_offload: iteration x5.20" in report.ratios(rows + list(placed.values()))  # measured at 40 GB
+
+
 def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
     results = tmp_path / "results.jsonl"
     results.write_text("\n".join(json.dumps(r) for r in [_row(REFERENCE), _row("gpu_adamw"),
