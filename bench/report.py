@@ -185,17 +185,23 @@ def figures(rows: list[dict], folder: Path) -> list[Path]:
     fig, axes = plt.subplots(1, max(len(models), 1), figsize=(5 * max(len(models), 1) + 2.5, 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for i, system in enumerate(systems):
-            points = sorted((r["budget_gb"] or r.get("device_GB") or 141.0, r["iter_s"]) for r in ok
-                            if r["model"] == model and r["system"] == system)
+            mine = [r for r in ok if r["model"] == model and r["system"] == system]
+            points = sorted((r["budget_gb"] or r.get("device_GB") or 141.0, r["iter_s"], bool(r.get("by_footprint")))
+                            for r in mine)
             if points:
-                ax.plot(*zip(*points), marker="o", color=colour[system])
+                x, y, placed = zip(*points)
+                ax.plot(x, y, color=colour[system])
+                ax.scatter([a for a, p in zip(x, placed) if not p], [b for b, p in zip(y, placed) if not p],
+                           marker="o", color=colour[system])
+                ax.scatter([a for a, p in zip(x, placed) if p], [b for b, p in zip(y, placed) if p], marker="o",
+                           facecolors="none", edgecolors=colour[system])  # placed by its whole-device peak
             failed = [r["budget_gb"] for r in rows if r["model"] == model and r["system"] == system
                       and r.get("status") == "oom" and r["budget_gb"] is not None]
             offset = (i - len(systems) / 2) * 0.8  # side by side, so that every system's x shows
             ax.scatter([b + offset for b in failed], [0.0] * len(failed), marker="x", s=50, color=colour[system])
         ax.set_title(model)
         ax.set_xlabel("GPU memory budget, GB (whole device at the right)")
-        ax.set_ylabel("iteration time, s (x on the axis: does not fit)")
+        ax.set_ylabel("iteration time, s (x on the axis: does not fit;\nhollow: a whole-device run placed by its peak)")
     handles = [plt.Line2D([], [], color=colour[s], marker="o", label=s) for s in systems]
     fig.legend(handles=handles, loc="center right", fontsize=7)
     fig.tight_layout(rect=(0, 0, 1 - 2.3 / fig.get_figwidth(), 1))
