@@ -110,6 +110,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                         fused=fused, decoupled_weight_decay=adamw)
         super().__init__(params, defaults)
         self.overlapper: UpdateInFlight | None = None
+        self._failed: BaseException | None = None  # an update that failed part-way (see _check_not_failed)
         self.state = HostState(self._make_current, self.synchronize)
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
@@ -388,12 +389,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._open()
+        self._check_not_failed()
         for group in self.param_groups:
             check_group(group)
         self.layout.check_unchanged(self.module)
         self._refuse_new_grads()
         self.layout.take_edits()
         try:
+            self._refuse_edited_grads()
             self._step(self._has_grad())
         finally:
             if self.grad_stream is not None:
@@ -426,6 +429,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         try:
             self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed)
+        except BaseException as err:
+            self._failed = err
+            raise
         finally:
             self.layout.record_writes()
         self.planner.after_update()
@@ -449,8 +455,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                           [j.subgroup for j in jobs if j.subgroup.index not in landed])
 
         def update() -> UpdateStats:  # touches no param's .grad: the next backward may be writing them
-            return self.engine.update(jobs, multipliers, slots, self.residents, landed, ready=ready, grads=grads,
-                                      on_written=self.overlapper.written)
+            try:
+                return self.engine.update(jobs, multipliers, slots, self.residents, landed, ready=ready,
+                                          grads=grads, on_written=self.overlapper.written)
+            finally:  # the params as we left them, here: an edit made after the update ended is the user's
+                self.layout.record_writes()
 
         self._pending_has_grad = has_grad
         self.overlapper.start(update, [j.subgroup.index for j in jobs])
@@ -466,11 +475,25 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         has_grad, self._pending_has_grad = self._pending_has_grad, None
         try:
             self.last_update = overlapper.join()
-        finally:
-            self.layout.record_writes()
+        except BaseException as err:
+            self._failed = err
+            raise
         # no planner.after_update(): the update's transients ran beside the next forward, so the budget's
         # measured need rightly counts them
         self._after_update(has_grad)
+
+    def _refuse_edited_grads(self) -> None:
+        """With stream_grads, a gradient changed in place after backward would reach only part of the step
+        (decided by every rank together, so that all raise or none does)."""
+        if self.grad_stream is None:
+            return
+        edited = self.grad_stream.edited()
+        if self.planner.sync.anyone(edited is not None):
+            raise RuntimeError(
+                f"a gradient ({edited or 'on another rank'}) was changed in place after backward, but stream_grads "
+                "had already sent other gradients to the host, which miss the change: clip with max_grad_norm= or "
+                "opt.clip_grad_norm_, scale the loss with opt.scale_loss (not torch's GradScaler.unscale_), or "
+                "build the optimizer with stream_grads=False to edit gradients between backward and step")
 
     def _refuse_new_grads(self) -> None:
         """A param frozen at construction has no host memory: refuse to silently ignore its new gradient."""
@@ -553,24 +576,32 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if self.layout is None:
             raise RuntimeError("this DeepOptimizerStates was closed; build a new one")
 
+    def _check_not_failed(self) -> None:
+        """After an update failed part-way, its states are partly updated while no step count moved: refuse to
+        train on them or to checkpoint them until a checkpoint is loaded."""
+        if self._failed is not None:
+            raise RuntimeError(f"an earlier update failed part-way ({type(self._failed).__name__}: {self._failed}), "
+                               "so some params and moments were updated and others not: load the last checkpoint "
+                               "with load_state_dict() (model and optimizer) to go on") from self._failed
+
     def close(self) -> None:
         """Free the pinned host memory and stop the CPU worker now, instead of when garbage collected."""
         if self.layout is None:
             return
         try:
-            self.synchronize()
+            self.synchronize()  # an update's error is raised once everything below is closed
         finally:
             if self.overlapper is not None:
                 self.overlapper.close()
             _remove_all(self._overlap_handles)
-        self.engine.close()
-        if self.grad_stream is not None:
-            self.grad_stream.close()
-        if self._hook is not None:
-            self._hook.remove()
-        self.residents = Residents(self.device)  # the GPU states go with the optimizer
-        self.state.clear()
-        self.layout = None
+            self.engine.close()
+            if self.grad_stream is not None:
+                self.grad_stream.close()
+            if self._hook is not None:
+                self._hook.remove()
+            self.residents = Residents(self.device)  # the GPU states go with the optimizer
+            self.state.clear()
+            self.layout = None
 
     def __enter__(self) -> "DeepOptimizerStates":
         return self
@@ -587,6 +618,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """torch's layout (per-param step/exp_avg/exp_avg_sq) plus fp32 ``master_param`` and the loss scaler."""
         self._open()
         self.synchronize()
+        self._check_not_failed()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self.layout.take_edits()  # weights loaded since the last step are the masters a checkpoint must hold
@@ -608,6 +640,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 state_dict = result
         self.residents.evict()  # loaded values go to the host; residents would overwrite them
         state_io.load(self, state_dict)
+        self._failed = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 

@@ -94,9 +94,10 @@ def write_final(model: nn.Module, out: str, what: str) -> None:
         torch.save(final, os.path.join(out, f"{what}_{dist.get_world_size()}.pt"))
 
 
-def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False) -> DeepOptimizerStates:
+def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False,
+         subgroup_size: int = 97) -> DeepOptimizerStates:
     """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn."""
-    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=97, max_grad_norm=MAX_NORM,
+    opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=subgroup_size, max_grad_norm=MAX_NORM,
                               schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream,
                               overlap=overlap)
     if schedule == "mixed":
@@ -222,10 +223,12 @@ def load_mode(ckpt: str, before: int, after: int, out: str, schedule) -> None:
     write_final(model, out, "resumed")
 
 
-def overlap_mode(steps: int, schedule, stream: bool) -> None:
+def overlap_mode(steps: int, schedule, stream: bool, prefetch: bool = False) -> None:
     """The update left running must be invisible: each fully_shard unit's all-gather (for a block of
     layers, before any hook of the layers inside it) waits for the subgroups of its own shards, the root's
-    too (its own last layer); the slowed AdamW makes the forward reach them before they are written."""
+    too (its own last layer); the slowed AdamW makes the forward reach them before they are written. With
+    ``prefetch`` the first block all-gathers the second one's shards in its own pre-forward (set after
+    the optimizer is built), so it must wait for those too."""
     import time
 
     from deep_optimizer_states.core import engine
@@ -247,7 +250,12 @@ def overlap_mode(steps: int, schedule, stream: bool) -> None:
 
     engine.adam_update = slow
     model, twin = blocks(), blocks()
-    opt, ref = ours(model, schedule, stream, overlap=True), ours(twin, schedule, stream)
+    size = 32 if prefetch else 97  # with prefetch: the second block's shards in subgroups of their own
+    opt, ref = ours(model, schedule, stream, overlap=True, subgroup_size=size), ours(twin, schedule, stream,
+                                                                                     subgroup_size=size)
+    if prefetch:
+        for m in (model, twin):
+            m[0].set_modules_to_forward_prefetch([m[1]])
     losses = {}
     for m, o in ((model, opt), (twin, ref)):  # one after the other: each forward comes right after a step
         for step in range(steps):
@@ -306,6 +314,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--schedule", default="2")
     ap.add_argument("--stream", action="store_true", help="train: stream_grads=True (beside a twin without)")
+    ap.add_argument("--prefetch", action="store_true", help="overlap: the first block prefetches the second")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
     schedule = int(args.schedule) if args.schedule.isdigit() else args.schedule
@@ -326,7 +335,7 @@ def main() -> None:
         elif args.mode == "nonfinite":
             nonfinite_mode(args.steps, schedule, args.stream)
         elif args.mode == "overlap":
-            overlap_mode(args.steps, schedule, args.stream)
+            overlap_mode(args.steps, schedule, args.stream, args.prefetch)
         else:
             load_mode(args.ckpt, args.before, args.after, args.out, schedule)
     finally:

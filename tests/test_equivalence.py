@@ -172,12 +172,17 @@ def test_module_and_iterable_forms_are_the_same_optimizer():
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
 
 
-def test_an_error_inside_the_update_propagates_and_the_next_step_works(monkeypatch):
-    """A failing kernel (here: the third CPU AdamW call) surfaces as the step's exception; nothing hangs."""
+def test_an_error_inside_the_update_propagates_and_training_waits_for_a_checkpoint(monkeypatch):
+    """A failing kernel (here: the third CPU AdamW call) surfaces as the step's exception, nothing hangs, and
+    the half-applied step (two subgroups updated, no step counted) is neither trained on nor checkpointed:
+    step() and state_dict() say to load a checkpoint, and after loading one training equals torch again."""
+    import copy
+
     import deep_optimizer_states.core.engine as engine
 
     model = mlp()
     opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    weights, saved = copy.deepcopy(model.state_dict()), opt.state_dict()
     real, calls = engine.adam_update, []
 
     def flaky(*args):
@@ -187,13 +192,26 @@ def test_an_error_inside_the_update_propagates_and_the_next_step_works(monkeypat
         real(*args)
 
     monkeypatch.setattr(engine, "adam_update", flaky)
-    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    gen = torch.Generator().manual_seed(0)
+    loss_of(model, gen).backward()
     with pytest.raises(RuntimeError, match="injected failure"):
         opt.step()
     assert _steps(opt) == 0  # the step did not count
     monkeypatch.setattr(engine, "adam_update", real)
-    opt.step()
+    for refused in (opt.step, opt.state_dict):
+        with pytest.raises(RuntimeError, match="failed part-way.*load the last checkpoint"):
+            refused()
+    model.load_state_dict(weights)
+    opt.load_state_dict(saved)
+    torch_model = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-2)
+    for m, o in ((model, opt), (torch_model, torch_opt)):
+        o.zero_grad()
+        loss_of(m, torch.Generator().manual_seed(1)).backward()
+        o.step()
     assert _steps(opt) == 1
+    for x, y in zip(model.parameters(), torch_model.parameters()):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
 
 
 def test_cpu_path_in_a_worker_thread_as_on_a_gpu_machine():

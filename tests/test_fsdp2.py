@@ -56,12 +56,15 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks, schedule, stream
     assert out.count("skipped the poisoned step with the others, 4 steps equal torch AdamW") == ranks
 
 
-@pytest.mark.parametrize("ranks,schedule,stream", [(2, "cpu", False), (3, "mixed", False), (2, "2", True)])
-def test_overlap_under_fsdp2_equals_the_synchronous_run(ranks, schedule, stream):
+@pytest.mark.parametrize("ranks,schedule,stream,prefetch", [(2, "cpu", False, False), (3, "mixed", False, False),
+                                                         (2, "2", True, False), (2, "cpu", False, True)])
+def test_overlap_under_fsdp2_equals_the_synchronous_run(ranks, schedule, stream, prefetch):
     """overlap=True under FSDP2: each fully_shard unit (a block of layers, and the root with a layer of its
-    own) waits for its shards' writes before its all-gather, so the next forward, started at once while a
-    slowed AdamW still runs, computes the same losses; shards and states end bit for bit equal."""
-    out = torchrun(ranks, "overlap", "--steps", "4", "--schedule", schedule, *(["--stream"] if stream else []))
+    own) waits for its shards' writes before its all-gather, and for those of the units it prefetches
+    (``set_modules_to_forward_prefetch``), so the next forward, started at once while a slowed AdamW still
+    runs, computes the same losses; shards and states end bit for bit equal."""
+    out = torchrun(ranks, "overlap", "--steps", "4", "--schedule", schedule, *(["--stream"] if stream else []),
+                   *(["--prefetch"] if prefetch else []))
     assert out.count("overlapped, 4 steps equal the synchronous run bit for bit") == ranks
 
 

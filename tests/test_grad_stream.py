@@ -245,3 +245,28 @@ def test_a_plan_made_at_the_step_starts_with_the_next_backward():
             assert torch.equal(o1.master(p1), o2.master(p2)), f"step {step}: masters differ"
     assert ran == [(n - k, k), (n, 0), (n, 0)]  # the first plan at the first step, then the new one
     assert o1.grad_stream.sent == (n - k) + 2 * n  # the second and third backward streamed every subgroup
+
+
+@pytest.mark.parametrize("edit", ["scale_one_grad", "torch_clip_grad_norm"])
+def test_gradients_changed_in_place_after_some_went_down_are_refused(edit):
+    """Once gradients have gone to the host, an in-place change of the ones still on the device (torch's
+    clip_grad_norm_ over the params, a manual scaling) would reach only part of the step's gradients: step()
+    refuses it with a way out, and leaves params and states as they were."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, stream_grads=True)
+    opt.schedule = [Placement.CPU if i % 2 else Placement.STAGED for i in range(len(opt.layout.subgroups))]
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    assert opt.grad_stream.landed and any(p.grad is not None for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    if edit == "scale_one_grad":
+        next(p for p in model.parameters() if p.grad is not None).grad.mul_(0.5)
+    else:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="changed in place after backward.*stream_grads=False"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(not opt.state[p] or int(opt.state[p]["step"]) == 0 for p in model.parameters())
+    opt.zero_grad()  # and the next step trains normally
+    loss_of(model, torch.Generator().manual_seed(1)).backward()
+    opt.step()
+    assert int(opt.state[next(model.parameters())]["step"]) == 1

@@ -135,6 +135,95 @@ def test_reads_between_steps_wait_for_the_update(slow_adam):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_weights_edited_after_the_update_ended_are_kept(slow_adam):
+    """An edit made once the update has ended (here WGAN-style clamping, after waiting) is the user's: the
+    next step trains from it, as without overlap. The update records its own writes where it ends, so the
+    next step's edit check does not mistake the edit for them."""
+    def clamp(step, model, opt):
+        if step == 0:
+            deadline = time.time() + 10
+            while opt.overlapper is not None and opt.overlapper._future is not None \
+                    and not opt.overlapper._future.done() and time.time() < deadline:
+                time.sleep(0.005)  # the update has ended, but no one has joined it yet
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.01, 0.01)
+
+    (model, ours), _ = _compare(mlp, "cpu", steps=2, between=clamp)
+    assert max(p.abs().max().item() for p in model.parameters()) < 0.01 + 2 * 1e-2 + 1e-6
+
+
+def test_params_of_a_parameter_list_wait_with_the_module_that_reads_them(slow_adam):
+    """nn.ParameterList has no forward of its own: its params are waited for by its parent's forward."""
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.ws = nn.ParameterList([nn.Parameter(torch.randn(32, 32) * 0.2) for _ in range(4)])
+            self.head = nn.Linear(32, 1)
+
+        def forward(self, x):
+            for w in self.ws:
+                x = torch.tanh(x @ w)
+            return self.head(x).pow(2).mean()
+
+    def loss(model, gen):
+        return model(torch.randn(8, 32, generator=gen))
+
+    model, twin = Stack(), None
+    twin = copy.deepcopy(model)
+    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=300, overlap=o, schedule="cpu")
+                 for m, o in ((model, True), (twin, False)))
+    got, want = ([], [])
+    for out, m, o in ((got, model, ours), (want, twin, ref)):
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            o.zero_grad()
+            value = loss(m, gen)
+            out.append(value.detach().clone())
+            value.backward()
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _assert_same(model, ours, twin, ref)
+
+
+def test_a_submodule_state_dict_or_load_right_after_step(slow_adam):
+    """A submodule's state_dict() sees the finished update, and its load_state_dict() is not overwritten."""
+    saved = {}
+
+    def between(step, model, opt):
+        key = "ours" if opt.overlapper is not None else "ref"
+        last = list(model.children())[-1]
+        saved.setdefault(key, []).append({k: v.clone() for k, v in last.state_dict().items()})
+        if step == 0:
+            first = next(m for m in model.modules() if isinstance(m, nn.Linear))
+            first.load_state_dict({k: torch.zeros_like(v) for k, v in first.state_dict().items()})
+
+    _compare(mlp, "cpu", steps=3, between=between)
+    for a, b in zip(saved["ours"], saved["ref"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_gradients_zeroed_in_place_while_the_update_reads_them_are_an_error(monkeypatch):
+    """model.zero_grad(set_to_none=False) right after step() would zero gradients the update has not read
+    yet: the update stops with an error that says to call opt.zero_grad() instead, raised at the next step."""
+    real = engine.adam_update
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "adam_update", slow)
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=1000, schedule="cpu", overlap=True)
+    assert len(opt.layout.subgroups) >= 8
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    model.zero_grad(set_to_none=False)
+    with pytest.raises(RuntimeError, match="changed in place while the update.*opt.zero_grad"):
+        opt.step()
+
+
 def test_module_zero_grad_and_accumulation_while_the_update_runs(slow_adam):
     """The update holds the gradients it reads: model.zero_grad() and the next micro-batches' backward
     may replace them at once."""
@@ -174,6 +263,28 @@ def test_an_error_of_the_update_is_raised_at_the_next_step(monkeypatch):
     assert done.wait(10), "a forward must not wait forever for an update that failed"
     with pytest.raises(RuntimeError, match="injected failure"):
         opt.step()
+    with pytest.raises(RuntimeError, match="failed part-way"):  # half applied: not trained on
+        opt.step()
+
+
+def test_close_after_a_failed_update_raises_it_and_still_closes(monkeypatch):
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule="cpu", overlap=True)
+    real = engine.adam_update
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected failure in the update")
+
+    monkeypatch.setattr(engine, "adam_update", failing)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="injected failure"):
+        opt.close()
+    monkeypatch.setattr(engine, "adam_update", real)
+    assert opt.layout is None and opt.engine._worker is None  # closed all the same
+    with pytest.raises(RuntimeError, match="was closed"):
+        opt.step()
+    opt.close()  # a second close is a no-op
 
 
 def test_overlap_input_errors():

@@ -53,6 +53,7 @@ class GradStream:
         self.waiting = dict(self._pieces)  # per subgroup: params whose final gradient has not come
         self.landed: dict[int, object] = {}  # subgroup index -> event: its fp32 gradients are on the host
         self.norms: dict[int, torch.Tensor] = {}  # id(param) -> L2 norm of its final gradient (fp32)
+        self.versions: dict[int, int] = {}  # id(param) -> its final gradient's version counter then
         self.taken: set[int] = set()  # id(param): gradient given back after its subgroups went down
         self._buffer = None
 
@@ -81,6 +82,7 @@ class GradStream:
                                "the last under `with opt.accumulating():`, or call opt.zero_grad() between steps")
         g = local(p.grad)
         self.norms[id(p)] = _norm(g)
+        self.versions[id(p)] = g._version
         done = []
         for sg in self._subgroups_of[id(p)]:
             self.waiting[sg.index] -= 1
@@ -119,6 +121,23 @@ class GradStream:
             sg.grad32.copy_(work, non_blocking=True)
             self.landed[sg.index] = self.stream.record_event()
         self.sent += 1
+
+    def edited(self) -> str | None:
+        """Which gradient, if any, was changed in place after backward once some went down this step: the
+        streamed ones would miss the change (torch's clip_grad_norm_ or GradScaler.unscale_ over the params,
+        a manual scaling). A moved version counter alone does not say so (FSDP2's gradients are views of
+        one buffer, whose accumulation moves every view's counter): its norm must have moved too."""
+        if not self.landed:
+            return None
+        suspects = [p for b in self.layout.buckets for p in b.params
+                    if p.grad is not None and id(p) in self.versions and id(p) not in self.taken
+                    and local(p.grad)._version != self.versions[id(p)]]
+        if not suspects:
+            return None
+        now = torch.stack(torch._foreach_norm([local(p.grad) for p in suspects], 2, dtype=torch.float32))
+        then = torch.stack([self.norms[id(p)] for p in suspects])
+        moved = (now.view(torch.int32) != then.view(torch.int32)).tolist()  # bits: a NaN equals itself
+        return next((f"param of shape {tuple(p.shape)}" for p, m in zip(suspects, moved) if m), None)
 
     def had_grad(self, p: torch.Tensor) -> bool:
         """Whether ``p`` had a final gradient this step (also once it was given back)."""

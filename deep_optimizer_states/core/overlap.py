@@ -34,6 +34,7 @@ class HeldGrads(dict):
 
     def __init__(self, grads: dict, readers: Sequence["Subgroup"]) -> None:
         super().__init__(grads)
+        self._versions = {key: g._version for key, g in grads.items() if g is not None}
         self._left: dict[int, int] = {}
         for sg in readers:
             for key in {id(sg.bucket.params[pc.i]) for pc in sg.pieces}:
@@ -41,8 +42,16 @@ class HeldGrads(dict):
         self._lock = threading.Lock()  # the CPU worker gathers too (the CPU path's gradients)
 
     def gathered(self, sg: "Subgroup") -> None:
+        """Let go of the gradients ``sg`` was the last to read; raise if one was changed in place since
+        ``step()`` (the update may have read the change: on the CPU it did; on a GPU it may have)."""
         with self._lock:
             for key in {id(sg.bucket.params[pc.i]) for pc in sg.pieces}:
+                grad = self.get(key)
+                if grad is not None and grad._version != self._versions[key]:
+                    raise RuntimeError("a gradient was changed in place while the update that step() left running "
+                                       "was reading it (model.zero_grad(set_to_none=False), p.grad.zero_() or "
+                                       "another edit of p.grad): call opt.zero_grad() or opt.synchronize() before "
+                                       "changing gradients in place")
                 self._left[key] = self._left.get(key, 0) - 1
                 grad = self.pop(key, None) if self._left[key] == 0 else None
                 if grad is not None and grad.is_cuda:
@@ -135,7 +144,9 @@ class UpdateInFlight:
             self._written = {}
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        """Stop the thread once its update has ended; not waiting when called on that thread itself (the
+        optimizer's finalizer can run there, when a garbage collection happens to start on it)."""
+        self._thread.shutdown(wait=not threading.current_thread().name.startswith("dos-update"))
 
 
 def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) -> tuple[list, dict[int, int]]:
@@ -144,48 +155,101 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
     reference: the model must not keep it alive), with ``overlapper`` and ``synchronize()``:
 
     - a forward pre-hook per module that reads params: it waits for the subgroups holding them. Without
-      FSDP2 that is each module with params of its own; under FSDP2 each ``fully_shard`` unit, whose own
-      pre-hook all-gathers its shards on a stream of its own, so ours runs first and waits on the host;
+      FSDP2 that is each module with a forward of its own, for its own params and those of its children
+      without one (``nn.ParameterList``, ``nn.ParameterDict``), which only it can read; under FSDP2 each
+      ``fully_shard`` unit, whose own pre-hook all-gathers its shards (and those of the units it prefetches)
+      on a stream of its own, so ours runs first and waits on the host;
     - without FSDP2, a gradient hook per param that makes a backward wait the same way before autograd
       accumulates into a gradient the update may still read (after a forward it has waited already; a
       backward through a retained graph has not). FSDP2 writes sharded gradients itself, after the
       forward's waits;
-    - hooks that end the update before the model's state_dict is read or loaded."""
-    def waits(indices: frozenset, on_host: bool = False) -> Callable:
-        def hook(*args: Any) -> None:
-            opt = ref()
-            if opt is not None and opt.overlapper is not None:
-                opt.overlapper.wait_for(indices, on_host)
-        return hook
+    - hooks that end the update before any module's state_dict is read or loaded."""
+    def subgroups(params: Iterable[torch.Tensor]) -> frozenset:
+        return frozenset(sg.index for p in params if id(p) in layout.where
+                         for sg in layout.subgroups_of(*layout.where[id(p)]))
+
+    def wait(indices: Iterable[int], on_host: bool) -> None:
+        opt = ref()
+        if opt is not None and opt.overlapper is not None:
+            opt.overlapper.wait_for(indices, on_host)
 
     def sync(*args: Any) -> None:
         opt = ref()
         if opt is not None:
             opt.synchronize()
 
-    def subgroups(params: Iterable[torch.Tensor]) -> frozenset:
-        return frozenset(sg.index for p in params if id(p) in layout.where
-                         for sg in layout.subgroups_of(*layout.where[id(p)]))
-
     handles, need = [], {}
     units = [m for m in model.modules() if _is_fsdp_unit(m)]
-    for m in units or list(model.modules()):
-        if units:  # the unit's own params: not those of the units inside it
-            inner = {id(p) for u in m.modules() if u is not m and _is_fsdp_unit(u) for p in u.parameters()}
-            indices = subgroups(p for p in m.parameters() if id(p) not in inner)
-        else:
-            indices = subgroups(m.parameters(recurse=False))
-        if indices:
-            handles.append(m.register_forward_pre_hook(waits(indices, on_host=bool(units)), prepend=True))
-            for i in sorted(indices):
-                need.setdefault(i, len(need))
-    if not units:
+    if units:
+        own = _fsdp_unit_params(units, subgroups)
+        for m in units:
+            handles.append(m.register_forward_pre_hook(_unit_waits(m, own, wait), prepend=True))
+        order = [own[_state_key(m)] for m in units]
+    else:
+        order = []
+        for m, indices in _reader_params(model, subgroups):
+            handles.append(m.register_forward_pre_hook(lambda *args, i=indices: wait(i, False), prepend=True))
+            order.append(indices)
         for b in layout.buckets:
             for i, p in enumerate(b.params):
-                handles.append(p.register_hook(waits(frozenset(sg.index for sg in layout.subgroups_of(b, i)))))
-    handles.append(model.register_state_dict_pre_hook(sync))
-    handles.append(model.register_load_state_dict_pre_hook(sync))
+                indices = frozenset(sg.index for sg in layout.subgroups_of(b, i))
+                handles.append(p.register_hook(lambda grad, i=indices: wait(i, False)))
+    for indices in order:
+        for i in sorted(indices):
+            need.setdefault(i, len(need))
+    for m in model.modules():  # a submodule's state_dict() and load_state_dict() too
+        handles.append(m.register_state_dict_pre_hook(sync))
+        handles.append(m.register_load_state_dict_pre_hook(sync))
     return handles, need
+
+
+def _runs_forward(module: nn.Module) -> bool:
+    """Whether the module has a forward of its own (containers such as ParameterList do not)."""
+    return type(module).forward is not nn.Module.forward
+
+
+def _reader_params(model: nn.Module, subgroups: Callable) -> list[tuple[nn.Module, frozenset]]:
+    """Each module with a forward and the subgroups of the params only it can read: its own, and those of
+    its children without a forward, theirs, and so on down."""
+    out = []
+    for m in model.modules():
+        if not _runs_forward(m) and m is not model:
+            continue
+        params, todo = list(m.parameters(recurse=False)), [c for c in m.children() if not _runs_forward(c)]
+        while todo:
+            c = todo.pop()
+            params += c.parameters(recurse=False)
+            todo += [g for g in c.children() if not _runs_forward(g)]
+        indices = subgroups(params)
+        if indices:
+            out.append((m, indices))
+    return out
+
+
+def _state_key(unit: nn.Module) -> int:
+    """One key per FSDP2 state: ``fully_shard([a, b])`` gives a and b one state and one all-gather."""
+    get = getattr(unit, "_get_fsdp_state", None)
+    return id(get()) if get is not None else id(unit)
+
+
+def _fsdp_unit_params(units: list[nn.Module], subgroups: Callable) -> dict[int, frozenset]:
+    """The subgroups of each FSDP2 state's own params (not those of the units inside its modules)."""
+    own: dict[int, frozenset] = {}
+    for m in units:
+        inner = {id(p) for u in m.modules() if u is not m and _is_fsdp_unit(u) for p in u.parameters()}
+        key = _state_key(m)
+        own[key] = own.get(key, frozenset()) | subgroups(p for p in m.parameters() if id(p) not in inner)
+    return own
+
+
+def _unit_waits(unit: nn.Module, own: dict[int, frozenset], wait: Callable) -> Callable:
+    """A unit's pre-forward wait: its own shards' writes, and those of the units its pre-forward prefetches
+    (``set_modules_to_forward_prefetch``, read when the hook runs: it may be set after the optimizer)."""
+    def hook(*args: Any) -> None:
+        state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
+        keys = [_state_key(unit)] + [id(s) for s in getattr(state, "_states_to_forward_prefetch", ())]
+        wait(frozenset().union(*(own.get(k, frozenset()) for k in keys)), True)
+    return hook
 
 
 def _is_fsdp_unit(module: nn.Module) -> bool:
