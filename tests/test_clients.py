@@ -352,6 +352,41 @@ def test_one_weight_edited_through_data_between_steps_is_taken_and_the_rest_keep
     assert opt.layout.take_edits() == [], "our own writes are not edits"
 
 
+@pytest.mark.parametrize("how", ["model_reloaded", "ema_swapped", "optimizer_loaded_first"])
+def test_bf16_weights_written_back_unchanged_keep_their_fp32_masters(how):
+    """Writing a bf16 param back with the value it has (the model's own state_dict loaded again, EMA weights
+    swapped in and back out, a resume that loads the optimizer before the model) bumps its version but is
+    no edit: the fp32 masters keep their low bits and training goes on exactly as without the write."""
+    def run(touch: bool) -> tuple[dict, dict]:
+        model = tiny_llama().to(torch.bfloat16)
+        opt = DeepOptimizerStates(model, lr=LR, schedule=2)
+        for ids in batches(3):
+            lm_step(model, opt, ids)
+        if touch and how == "model_reloaded":
+            model.load_state_dict(copy.deepcopy(model.state_dict()))
+        elif touch and how == "ema_swapped":
+            kept = copy.deepcopy(model.state_dict())
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)  # evaluate with other weights ...
+            model.load_state_dict(kept)  # ... and put the trained ones back
+        elif touch:
+            weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            model, opt = tiny_llama().to(torch.bfloat16), None
+            opt = DeepOptimizerStates(model, lr=LR, schedule=2)
+            opt.load_state_dict(state)
+            model.load_state_dict(weights)
+        for ids in batches(3, seed=7):
+            lm_step(model, opt, ids)
+        return params_of(model), {n: opt.master(p).clone() for n, p in model.named_parameters()}
+
+    (params_a, masters_a), (params_b, masters_b) = run(False), run(True)
+    for n in params_a:
+        assert torch.equal(params_a[n], params_b[n]), n
+        assert torch.equal(masters_a[n], masters_b[n]), n
+    assert any(not torch.equal(m, m.bfloat16().float()) for m in masters_b.values())  # low bits are there
+
+
 # ---- 5. dtype changes and replaced params ---------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
 def test_model_cast_after_construction_is_refused_by_name(dtype):

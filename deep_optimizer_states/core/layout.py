@@ -237,7 +237,9 @@ class Layout:
 
         An in-place edit (``model.load_state_dict``, ``p.copy_`` under no_grad) bumps the param's version;
         a new tensor behind it (``p.data = t``) changes its storage; an edit through ``p.data`` moves neither
-        but changes the param's norm. Returns the edited params' names.
+        but changes the param's norm. A param written back with the value it had (the same weights loaded
+        again, an EMA swapped in and back out) keeps its master: taking the rounded bf16 value would lose the
+        master's low bits. Returns the edited params' names.
         """
         now = self._param_norms()
         moved = (now != self._norms).tolist()  # one device sync
@@ -247,12 +249,23 @@ class Layout:
                 t = local(p)
                 if moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
                     if self.before_host_write is not None:
-                        self.before_host_write(b, i)
-                    self.take_param(b, i)
-                    edited.append(b.names[i])
+                        self.before_host_write(b, i)  # a resident's states back on the host first
+                    if self._rounds_to(b, i, t):
+                        self._note(p)
+                    else:
+                        self.take_param(b, i)
+                        edited.append(b.names[i])
                 k += 1
         self._norms = now
         return edited
+
+    @staticmethod
+    def _rounds_to(b: Bucket, i: int, t: torch.Tensor) -> bool:
+        """Whether param i's master, rounded to the param's dtype, is exactly the param's value ``t``."""
+        if t.numel() != b.sizes[i]:
+            return False
+        rounded = b.master[b.param_slice(i)].to(device=t.device).to(t.dtype).view(t.shape)
+        return bool(torch.equal(rounded, t))
 
     def check_unchanged(self, module: torch.nn.Module | None) -> None:
         """Refuse a step on params whose dtype, device or shape changed, or that left the model."""
