@@ -16,7 +16,7 @@ from .core.adam import AdamHyper, check_group
 from .core.engine import DEFAULT_STAGING_SLOTS, Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norms, total_norm
 from .core.grad_stream import GradStream
-from .core.host_state import HostState, ParamState
+from .core.host_state import RESET_MESSAGE, HostState, ParamState
 from .core.lanes import current_point
 from .core.layout import Layout, local
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
@@ -112,6 +112,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.overlapper: UpdateInFlight | None = None
         self._failed: BaseException | None = None  # an update that failed part-way (see _check_not_failed)
         self.state = HostState(self._make_current, self.synchronize)
+        self._group_params = self._params_by_group()  # what the host layout was built for
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
@@ -164,6 +165,32 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._expose_state()
 
     # ---- construction -------------------------------------------------------------------------------
+    @property
+    def state(self) -> HostState:
+        """Per-param states, as torch's ``opt.state`` (views into our host buffers)."""
+        return self.__dict__["_state"]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if "_state" in self.__dict__ and isinstance(self.__dict__["_state"], HostState):
+            raise RuntimeError(RESET_MESSAGE)
+        self.__dict__["_state"] = value  # torch's constructor sets a defaultdict; ours replaces it once
+
+    def _params_by_group(self) -> list[tuple[int, ...]]:
+        return [tuple(id(p) for p in g["params"]) for g in self.param_groups]
+
+    def _check_groups(self) -> None:
+        """Refuse a step after params were added to, removed from or moved between param groups: the host
+        layout (which params, in which group's hyper-parameters) was built once."""
+        now = self._params_by_group()
+        if now != self._group_params:
+            k = next((k for k, (a, b) in enumerate(zip(now, self._group_params)) if a != b), min(len(now),
+                                                                                                  len(self._group_params)))
+            raise RuntimeError(f"the params of param_groups[{k}] changed after DeepOptimizerStates was built (a param "
+                               "added, removed or moved to another group): its host states were laid out once, "
+                               "so build a new optimizer with the groups you want (load_state_dict() carries "
+                               "the states over when the params stay the same)")
+
     def add_param_group(self, param_group: dict) -> None:
         """Validate and add a group; only during construction (the host layout is built once).
 
@@ -258,11 +285,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
                 if b.steps[i] > 0 and not isinstance(self.state.raw(p), ParamState):
-                    self.state[p] = ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
-                                               lambda key, p=p: self._make_current(p),
-                                               lambda key, b=b, i=i: self._state_written(b, i, key))
+                    self.state.expose(p, ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
+                                                    lambda key, p=p: self._make_current(p),
+                                                    lambda key, b=b, i=i: self._state_written(b, i, key)))
                 elif b.steps[i] == 0 and p in self.state:
-                    del self.state[p]
+                    self.state.expose(p, None)
 
     # ---- resident states ----------------------------------------------------------------------------
     def _make_current(self, p: torch.Tensor | None) -> None:
@@ -390,9 +417,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 loss = closure()
         self._open()
         self._check_not_failed()
+        self._check_groups()
         for group in self.param_groups:
             check_group(group)
         self.layout.check_unchanged(self.module)
+        self.layout.sync_steps()
         self._refuse_new_grads()
         self.layout.take_edits()
         try:
@@ -600,7 +629,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if self._hook is not None:
                 self._hook.remove()
             self.residents = Residents(self.device)  # the GPU states go with the optimizer
-            self.state.clear()
+            dict.clear(self.state)
             self.layout = None
 
     def __enter__(self) -> "DeepOptimizerStates":
@@ -622,6 +651,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         self.layout.take_edits()  # weights loaded since the last step are the masters a checkpoint must hold
+        self.layout.sync_steps()
         self.residents.evict()  # the host copy is what a checkpoint holds (the next step admits them again)
         sd = state_io.pack(self)
         for hook in self._optimizer_state_dict_post_hooks.values():

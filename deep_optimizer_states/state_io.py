@@ -33,7 +33,7 @@ def pack(opt: "DeepOptimizerStates") -> dict:
         for p in group["params"]:
             live = opt.state.get(p)
             if live:  # as torch: no entry before a param's first step
-                state[index] = {"step": torch.tensor(float(live["step"])),
+                state[index] = {"step": live["step"],  # live, as the moments: a loaded-back sd is consistent
                                 **{k: _like(p, live[k]) for k in _MOMENTS}, "master_param": _like(p, live["master"])}
             ids.append(index)
             index += 1

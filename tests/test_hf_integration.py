@@ -241,3 +241,13 @@ def test_fp16_params_under_the_trainer_raise_a_clear_error(tmp_path):
                          dos_kwargs={"schedule": "cpu"})
     with pytest.raises(RuntimeError, match="scale_loss"):
         trainer.train()
+
+
+def test_dos_trainer_with_streamed_gradients_leaves_the_callers_arguments_alone(tmp_path):
+    """Clipping moves into the optimizer on the trainer's own copy of the arguments: a second trainer built
+    from the same TrainingArguments (a sweep) still clips."""
+    args = training_args(tmp_path, max_steps=1, max_grad_norm=1.0)
+    first = DOSTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(), dos_kwargs={"stream_grads": True})
+    assert args.max_grad_norm == 1.0 and first.args.max_grad_norm == 0.0
+    second = DOSTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(), dos_kwargs={"stream_grads": True})
+    assert second.dos_kwargs["max_grad_norm"] == 1.0

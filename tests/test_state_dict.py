@@ -150,3 +150,63 @@ def test_frameworks_moving_state_tensors_write_into_the_host_buffers():
     new = opt.state[p]["master"] + 1.0
     opt.state[p]["master"] = new  # a master written moves the param with it
     torch.testing.assert_close(p.detach(), new)
+
+
+def test_opt_state_cannot_be_reset_behind_the_host_buffers():
+    """torch's ways of dropping state (opt.state.clear(), del, a new dict, a new opt.state) would leave our
+    host buffers training on, or a checkpoint without them: each says what to do instead."""
+    from collections import defaultdict
+
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    p = next(model.parameters())
+    resets = [lambda: opt.state.clear(), lambda: opt.state.__delitem__(p), lambda: opt.state.pop(p),
+              lambda: opt.state.__setitem__(p, {}), lambda: opt.state[p].clear(),
+              lambda: opt.state[p].pop("exp_avg"), lambda: setattr(opt, "state", defaultdict(dict))]
+    for reset in resets:
+        with pytest.raises(RuntimeError, match="cannot be removed or replaced through opt.state"):
+            reset()
+    with pytest.raises(TypeError, match="assign a tensor of its shape"):
+        opt.state[p]["exp_avg"] = None
+    assert len(opt.state_dict()["state"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("how", ["assign_int", "zero_in_place"])
+def test_a_step_count_set_through_opt_state_is_the_one_used(how):
+    """opt.state[p]["step"] = 0 (a plain number, as torch allows) or an in-place zero_(): the next update's
+    bias correction and the checkpoint both use the new count, as torch's AdamW does."""
+    model, twin = mlp(), mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule="cpu")
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    for m, o in ((model, opt), (twin, ref)):
+        for k in range(3):
+            o.zero_grad()
+            loss_of(m, torch.Generator().manual_seed(k)).backward()
+            o.step()
+        for q in m.parameters():
+            if how == "assign_int" and o is opt:
+                o.state[q]["step"] = 0
+            else:
+                o.state[q]["step"].zero_()
+        o.zero_grad()
+        loss_of(m, torch.Generator().manual_seed(9)).backward()
+        o.step()
+    for q in model.parameters():
+        assert int(opt.state[q]["step"]) == 1 and int(opt.state_dict()["state"][0]["step"]) == 1
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_params_moved_between_groups_after_construction_are_refused():
+    model = mlp()
+    params = list(model.parameters())
+    opt = DeepOptimizerStates([{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.0}], lr=1e-2)
+    opt.param_groups[0]["lr"] = 5e-3  # hyper-parameters may change
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop())
+    loss_of(model, torch.Generator().manual_seed(1)).backward()
+    with pytest.raises(RuntimeError, match=r"params of param_groups\[0\] changed after DeepOptimizerStates was built"):
+        opt.step()

@@ -69,6 +69,15 @@ def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     assert run.returncode == 2 and "different run" in run.stderr and "seq" in run.stderr
 
 
+def test_resume_with_more_steps_keeps_the_runs_own_warmup(tmp_path):
+    """The warm-up derived from --steps (steps // 10) is the checkpoint's on a resume asking for more steps:
+    not a reason to refuse it."""
+    common = [*SMALL, "--eval-every", "0", "--sample-tokens", "0", "--checkpoint-dir", str(tmp_path)]
+    dos("train", *common, "--steps", "10", "--checkpoint-every", "10", cache=tmp_path)
+    run = dos("train", *common, "--steps", "20", "--resume", cache=tmp_path)
+    assert "resumed from" in run.stdout and "warm-up 1," in run.stdout and "now spans 20 steps" in run.stdout
+
+
 def test_check_is_the_old_self_check(tmp_path):
     run = dos("check", "--steps", "2", cache=tmp_path)
     assert "step   2" in run.stdout and "matches torch.optim.AdamW on fp32 masters" in run.stdout

@@ -25,6 +25,9 @@ class ParamState(dict):
 
     def __setitem__(self, key, value) -> None:
         held = dict.get(self, key)
+        if key == "step" and isinstance(held, torch.Tensor) and isinstance(value, (int, float)) \
+                and not isinstance(value, bool):  # torch allows a plain number here
+            value = torch.tensor(float(value))
         if isinstance(held, torch.Tensor) and isinstance(value, torch.Tensor) and value is not held:
             if value.shape != held.shape:
                 raise ValueError(f"opt.state[p][{key!r}] has shape {tuple(held.shape)}; cannot assign a tensor of "
@@ -34,7 +37,27 @@ class ParamState(dict):
                 held.copy_(value)
             self._after(key)
             return
+        if value is held:
+            return
+        if held is not None:
+            raise TypeError(f"opt.state[p][{key!r}] holds a tensor the optimizer updates: assign a tensor of its "
+                            f"shape (or a number to 'step'), got {type(value).__name__}")
         super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        raise RuntimeError(RESET_MESSAGE)
+
+    def pop(self, *args):
+        raise RuntimeError(RESET_MESSAGE)
+
+    def clear(self) -> None:
+        raise RuntimeError(RESET_MESSAGE)
+
+
+RESET_MESSAGE = ("DeepOptimizerStates keeps each param's states in its own host buffers, so they cannot be removed or "
+          "replaced through opt.state: to start over, build a new optimizer; to restore states, use "
+          "load_state_dict(); to change one, assign into it (opt.state[p]['exp_avg'] = t, "
+          "opt.state[p]['step'] = 0)")
 
 
 class HostState(dict):
@@ -49,8 +72,33 @@ class HostState(dict):
         self._on_read, self._on_access = on_read, on_access
 
     def __missing__(self, key):  # torch's optimizer state is a defaultdict(dict)
-        value = self[key] = {}
+        value = {}
+        dict.__setitem__(self, key, value)
         return value
+
+    def __setitem__(self, key, value) -> None:
+        if isinstance(dict.get(self, key), ParamState) or not isinstance(value, (ParamState, dict)) or value:
+            raise RuntimeError(RESET_MESSAGE)
+        dict.__setitem__(self, key, value)
+
+    def expose(self, key, value: "ParamState | None") -> None:
+        """The optimizer's own bookkeeping: show ``value`` as the param's state (None: none)."""
+        if value is None:
+            dict.pop(self, key, None)
+        else:
+            dict.__setitem__(self, key, value)
+
+    def __delitem__(self, key) -> None:
+        raise RuntimeError(RESET_MESSAGE)
+
+    def pop(self, *args):
+        raise RuntimeError(RESET_MESSAGE)
+
+    def popitem(self):
+        raise RuntimeError(RESET_MESSAGE)
+
+    def clear(self) -> None:
+        raise RuntimeError(RESET_MESSAGE)
 
     def __getitem__(self, key):
         self._on_access()

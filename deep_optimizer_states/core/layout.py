@@ -314,6 +314,17 @@ class Layout:
         """The local gradients that exist now."""
         return [local(p.grad) for b in self.buckets for p in b.params if p.grad is not None]
 
+    def sync_steps(self) -> None:
+        """Step counts as ``opt.state[p]["step"]`` holds them (a user may have changed one in place)."""
+        for b in self.buckets:
+            for i, t in enumerate(b.step_tensors):
+                value = float(t)
+                if value != b.steps[i]:
+                    if not (value >= 0 and value == int(value)):
+                        raise ValueError(f"param {b.names[i]}: opt.state[p]['step'] must be a whole number >= 0, "
+                                         f"got {value}")
+                    b.steps[i] = int(value)
+
     def advance_steps(self, has_grad: list[list[bool]]) -> None:
         for b, flags in zip(self.buckets, has_grad):
             for i, flag in enumerate(flags):

@@ -38,6 +38,8 @@ Notes:
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import torch
@@ -123,7 +125,7 @@ class DOSTrainer(Trainer):
             if self.dos_kwargs.get("max_grad_norm") is not None:
                 raise ValueError("pass max_grad_norm in TrainingArguments or in dos_kwargs, not both")
             self.dos_kwargs["max_grad_norm"] = self.args.max_grad_norm  # the optimizer sees streamed gradients
-            self.args.max_grad_norm = 0.0
+            self.args = dataclasses.replace(self.args, max_grad_norm=0.0)  # a copy: the caller's args stay
         optimizer_kwargs(self.args, **self.dos_kwargs)  # refuse bad kwargs now, not at train()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

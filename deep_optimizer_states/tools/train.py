@@ -265,6 +265,8 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
             saved = extra.get("run", {})
             saved = {**saved, "micro_batches_per_step": saved.get(  # checkpoints from before this key
                 "micro_batches_per_step", saved.get("accum", 1) * saved.get("ranks", 1))}
+            if args.warmup is None and isinstance(saved.get("warmup"), int):  # derived from --steps: keep the run's
+                warmup = run["warmup"] = saved["warmup"]
             differ = [f"{k}: checkpoint {saved.get(k)!r}, now {run[k]!r}" for k in _CURVE_KEYS if saved.get(k) != run[k]]
             if differ:
                 raise UsageError(f"--resume: {path} was saved by a different run (" + "; ".join(differ)
