@@ -30,6 +30,9 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NONFINITE_POLICIES = ("skip", "raise")
 
 
+MIN_LOSS_SCALE = 1.0  # below it, fp16 gradients overflow even unscaled: no further halving can help (DeepSpeed's floor)
+
+
 class DeepOptimizerStates(torch.optim.Optimizer):
     """AdamW (or Adam) whose fp32 master weights and moments live in pinned host memory.
 
@@ -48,6 +51,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     no host memory, and a weight edited in place after construction (``model.load_state_dict``) becomes the
     new master. fp16 params use dynamic loss scaling: backpropagate ``opt.scale_loss(loss)``. A step whose
     gradients hold inf/nan is skipped with a warning (``nonfinite="skip"``) or raises (``"raise"``).
+    ``adamw=False`` is classic Adam (L2 decay added to the gradient); ``weight_decay`` defaults to torch's
+    for each: 1e-2 for AdamW, 0 for Adam.
 
     ``stream_grads=True`` sends the CPU path's gradients to host memory during backward, as each subgroup's
     gradients become final, and gives their GPU memory back (those params' ``.grad`` are None after
@@ -62,7 +67,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float = 1e-2,
+        weight_decay: float | None = None,
         amsgrad: bool = False,
         *,
         adamw: bool = True,
@@ -85,6 +90,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         fused: bool | None = None,
     ) -> None:
         self.layout: Layout | None = None
+        if weight_decay is None:  # torch's defaults: AdamW 1e-2, Adam 0
+            weight_decay = 1e-2 if adamw else 0.0
         if isinstance(params, nn.Module) and model is not None:
             raise ValueError("the model is given twice: pass it as the first argument or as model=, not both")
         if model is not None and not isinstance(model, nn.Module):
@@ -290,6 +297,25 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                                     lambda key, b=b, i=i: self._state_written(b, i, key)))
                 elif b.steps[i] == 0 and p in self.state:
                     self.state.expose(p, None)
+
+    @contextlib.contextmanager
+    def every_state_shown(self) -> Iterator[None]:
+        """Inside: ``opt.state`` (and so ``state_dict()``) holds every trainable param's state, also before
+        its first step (step 0, zero moments, its master). For torch.distributed.checkpoint, which otherwise
+        "initialises" an optimizer without state by a step with zero gradients (moving every step count to
+        1) and cannot load a checkpoint that lacks a param never trained yet."""
+        self.synchronize()
+        for b in self.layout.buckets:
+            for i, p in enumerate(b.params):
+                if not isinstance(self.state.raw(p), ParamState):
+                    self.state.expose(p, ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
+                                                    lambda key, p=p: self._make_current(p),
+                                                    lambda key, b=b, i=i: self._state_written(b, i, key)))
+        try:
+            yield
+        finally:
+            if self.layout is not None:
+                self._expose_state()  # as torch: no state before a param's first step
 
     # ---- resident states ----------------------------------------------------------------------------
     def _make_current(self, p: torch.Tensor | None) -> None:
@@ -553,6 +579,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if not finite:  # an fp16 overflow is expected now and then: skip quietly, the scale backs off
                 self.last_grad_norm = raw
                 self.skipped_steps += 1
+                if self.scaler.scale < MIN_LOSS_SCALE:
+                    raise FloatingPointError(
+                        f"inf/nan gradients at every loss scale down to {MIN_LOSS_SCALE:g} ({self.scaler.skipped_steps} "
+                        "steps skipped so far): the loss or the model is not finite whatever the scale (NaN in the "
+                        "data, a diverged run). Nothing was updated; reload the last checkpoint, lower the lr, or "
+                        "train bf16")
                 return None
             multipliers.append(torch.full((), inv_scale, device=self.device))
             norm = raw * inv_scale

@@ -40,6 +40,15 @@ def test_classic_adam_matches_torch_adam():
     train_and_compare(model, opt, steps=30, ref_cls=torch.optim.Adam)
 
 
+def test_classic_adam_with_its_defaults_matches_torch_adam_with_its_defaults():
+    """adamw=False takes torch.optim.Adam's default weight decay (0), not AdamW's (1e-2)."""
+    model = mlp()
+    opt = DeepOptimizerStates(model.parameters(), lr=1e-2, adamw=False, subgroup_size=2500, schedule=2)
+    assert opt.param_groups[0]["weight_decay"] == 0.0
+    train_and_compare(model, opt, steps=10, ref_cls=torch.optim.Adam)
+    assert DeepOptimizerStates(mlp().parameters()).param_groups[0]["weight_decay"] == 1e-2
+
+
 def test_param_groups_with_own_lr_and_weight_decay_and_a_scheduler():
     model = tiny_llama()
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
@@ -148,6 +157,20 @@ def test_fp16_dynamic_loss_scaling_skips_overflow_steps():
         ref.assert_matches()
     assert opt.scaler.skipped_steps == 2
     assert _steps(opt) == 10
+
+
+def test_fp16_gradients_that_stay_nonfinite_end_in_a_clear_error_not_a_zero_scale():
+    """A NaN that no scale removes (here: in the data) is skipped while the scale backs off, then named once
+    the scale would fall below 1 (it used to reach 0 and divide by zero after ~1100 silent steps)."""
+    model = mlp(torch.float16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule=2, loss_scale=8.0)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(FloatingPointError, match="inf/nan gradients at every loss scale down to 1"):
+        for _ in range(10):
+            opt.zero_grad()
+            opt.scale_loss(loss_of(model, gen) * float("nan")).backward()
+            opt.step()
+    assert opt.scaler.scale == 0.5 and opt.skipped_steps == 4 and _steps(opt) == 0
 
 
 def test_fp16_without_scaled_loss_is_an_error():

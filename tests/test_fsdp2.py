@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from deep_optimizer_states import DeepOptimizerStates
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed support")
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
@@ -192,3 +195,76 @@ def test_dos_train_under_torchrun_checkpoints_with_dcp_and_resumes_on_2_ranks_an
     assert single["start_step"] == 3 and [s for s, _ in single["losses"]] == [4, 5, 6]
     for s, loss in single["losses"]:
         assert abs(loss - curve[s]) <= 1e-4 * curve[s], f"step {s}: resumed in one process {loss}, 2 ranks {curve[s]}"
+
+
+# ---- sharded checkpoints in one process (no process group): what DCP would otherwise change ----------------
+def _small(dtype=torch.float32, unused: bool = False) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+    if unused:  # trainable, never in the forward: no state ever
+        model.add_module("unused", nn.Linear(4, 4).to(dtype))
+    return model
+
+
+def _train_small(model: nn.Module, opt: DeepOptimizerStates, steps: range) -> None:
+    for s in steps:
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(s)).to(next(model.parameters()).dtype)
+        loss = model[2](model[1](model[0](x))).float().pow(2).mean()
+        opt.zero_grad()
+        (opt.scale_loss(loss) if opt.scaler is not None else loss).backward()
+        opt.step()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+
+
+def test_a_sharded_save_before_the_first_step_changes_nothing(tmp_path):
+    """DCP "initialises" an optimizer without state by a step with zero gradients, which would move every
+    step count to 1: ours shows its step-0 states instead, so the run goes on exactly as without the save."""
+    from deep_optimizer_states.integrations.fsdp2 import save_sharded_checkpoint
+
+    runs = []
+    for save in (False, True):
+        model = _small()
+        opt = DeepOptimizerStates(model, lr=1e-2, weight_decay=0.1, schedule="cpu")
+        if save:
+            save_sharded_checkpoint(tmp_path, model, opt, step=0)
+        _train_small(model, opt, range(3))
+        runs.append(_flat(model))
+    assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16_loss_scaler"])
+def test_a_sharded_checkpoint_with_an_untrained_param_and_a_loss_scaler_resumes_exactly(dtype, tmp_path):
+    """A param never trained yet has no state, yet the checkpoint must load into a fresh optimizer (which
+    DCP would "initialise" with every param); the loss scaler and the skipped steps, which DCP's state dict
+    leaves out, come back too."""
+    from deep_optimizer_states.integrations.fsdp2 import load_sharded_checkpoint, save_sharded_checkpoint
+
+    kwargs = dict(lr=1e-2, weight_decay=0.1, schedule="cpu", loss_scale=1024.0 if dtype == torch.float16 else None)
+    model = _small(dtype, unused=True)
+    opt = DeepOptimizerStates(model, **kwargs)
+    _train_small(model, opt, range(3))
+    if opt.scaler is not None:
+        opt.scaler.update(found_inf=True)  # a scale of its own: 512
+        opt.skipped_steps = 1
+    path = save_sharded_checkpoint(tmp_path, model, opt, step=3)
+    twin = _small(dtype, unused=True)
+    again = DeepOptimizerStates(twin, **kwargs)
+    load_sharded_checkpoint(path, twin, again)
+    if opt.scaler is not None:
+        assert again.scaler.state_dict() == opt.scaler.state_dict() and again.skipped_steps == 1
+    _train_small(model, opt, range(3, 6))
+    _train_small(twin, again, range(3, 6))
+    assert torch.equal(_flat(model), _flat(twin))
+
+
+def test_a_bad_extra_is_refused_before_a_sharded_save_starts(tmp_path):
+    from deep_optimizer_states.integrations.fsdp2 import save_sharded_checkpoint
+
+    model = _small()
+    opt = DeepOptimizerStates(model, lr=1e-2, schedule="cpu")
+    with pytest.raises(TypeError, match="extra key"):
+        save_sharded_checkpoint(tmp_path, model, opt, extra={"f": lambda: 0})
+    assert not any(tmp_path.iterdir())

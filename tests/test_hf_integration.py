@@ -251,3 +251,9 @@ def test_dos_trainer_with_streamed_gradients_leaves_the_callers_arguments_alone(
     assert args.max_grad_norm == 1.0 and first.args.max_grad_norm == 0.0
     second = DOSTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(), dos_kwargs={"stream_grads": True})
     assert second.dos_kwargs["max_grad_norm"] == 1.0
+
+
+def test_stream_grads_with_accumulation_under_the_stock_trainer_is_refused_up_front(tmp_path):
+    args = training_args(tmp_path, max_steps=1, max_grad_norm=0.0)  # gradient_accumulation_steps=2
+    with pytest.raises(ValueError, match="gradient_accumulation_steps > 1.*use DOSTrainer"):
+        optimizer_cls_and_kwargs(args, stream_grads=True)

@@ -90,6 +90,7 @@ def test_check_is_the_old_self_check(tmp_path):
     (["--preset", "huge"], "argument --preset: invalid choice"),
     (["--min-lr-ratio", "2"], "argument --min-lr-ratio: must be between 0 and 1"),
     (["--resume"], "--resume needs --checkpoint-dir"),
+    (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
     (["--hidden", "100"], "--hidden must be a multiple of 64"),
     (["--data", "/nonexistent/file.txt"], "data:"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: not a directory"),

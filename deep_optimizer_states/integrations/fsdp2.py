@@ -11,6 +11,7 @@ directory must be one that every rank sees (one host, or a shared file system).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -28,9 +29,11 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from ..checkpoint import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, _check_files, _check_loadable,
                           _cpu_copy, _fsync_dir, _load_payload, _manifests, _prune, _sha256, _write_bytes,
                           _write_payload, check_save_args, read_manifest)
+from ..optimizer import DeepOptimizerStates
 
 SHARDS = "dcp"  # the sub-directory DCP writes into
 EXTRA = "extra.pt"
+OPTIMIZER_EXTRA = "optimizer-extra.pt"  # ours beyond DCP's state and param_groups: the loss scaler, skips
 
 
 def _rank() -> int:
@@ -51,11 +54,33 @@ def _from_rank0(value):
     return box[0]
 
 
+def _all_states(optimizer: torch.optim.Optimizer):
+    """Ours shows every param's state to DCP (no zero-gradient "initialising" step, every param saved)."""
+    return optimizer.every_state_shown() if isinstance(optimizer, DeepOptimizerStates) else contextlib.nullcontext()
+
+
+def _optimizer_extra(optimizer: torch.optim.Optimizer) -> dict | None:
+    if not isinstance(optimizer, DeepOptimizerStates):
+        return None
+    scaler = optimizer.scaler.state_dict() if optimizer.scaler is not None else None
+    return {"loss_scaler": scaler, "skipped_steps": optimizer.skipped_steps}
+
+
 def save_sharded_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
                             extra: dict | None = None, step: int | None = None, keep: int = 2) -> Path:
     """Write one sharded checkpoint of ``model`` and ``optimizer`` (and rank 0's ``extra``) under
     ``directory``, atomically; then delete all but the newest ``keep``. Call on every rank."""
     check_save_args(extra, step, keep)
+    problem, payload = None, None
+    if _rank() == 0 and extra is not None:  # before any collective: every rank raises, or none does
+        try:
+            payload = _cpu_copy(extra, {})
+            _check_loadable(payload, "extra")
+        except (TypeError, ValueError) as e:
+            problem = e
+    problem = _from_rank0(None if problem is None else (type(problem), str(problem)))
+    if problem:
+        raise problem[0](problem[1])
     root = Path(directory)
     names = None
     if _rank() == 0:
@@ -70,15 +95,16 @@ def save_sharded_checkpoint(directory: str | os.PathLike, model: nn.Module, opti
     serial, name, temp = _from_rank0(names)
     temp, final = Path(temp), root / name
     try:
-        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-        dcp.save(state, checkpoint_id=str(temp / SHARDS))
+        with _all_states(optimizer):
+            state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+            dcp.save(state, checkpoint_id=str(temp / SHARDS))
         _barrier()  # every rank's shards are written
         if _rank() == 0:
             files = {}
-            if extra is not None:
-                payload = _cpu_copy(extra, {})
-                _check_loadable(payload, "extra")
+            if payload is not None:
                 files[EXTRA] = _write_payload(temp / EXTRA, payload)
+            if (ours := _optimizer_extra(optimizer)) is not None:
+                files[OPTIMIZER_EXTRA] = _write_payload(temp / OPTIMIZER_EXTRA, ours)
             for f in sorted((temp / SHARDS).iterdir()):
                 with open(f, "rb") as handle:
                     os.fsync(handle.fileno())
@@ -119,9 +145,15 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
     problem = _from_rank0(problem)
     if problem:
         raise CheckpointError(problem)
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(path / SHARDS))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
     files = manifest["files"]
+    with _all_states(optimizer):
+        state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=str(path / SHARDS))
+        set_model_state_dict(model, state["model"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if OPTIMIZER_EXTRA in files and isinstance(optimizer, DeepOptimizerStates):
+        ours = _load_payload(path / OPTIMIZER_EXTRA, files[OPTIMIZER_EXTRA], "cpu")
+        if optimizer.scaler is not None and ours["loss_scaler"] is not None:
+            optimizer.scaler.load_state_dict(ours["loss_scaler"])
+        optimizer.skipped_steps = int(ours["skipped_steps"])
     return _load_payload(path / EXTRA, files[EXTRA], "cpu") if EXTRA in files else {}

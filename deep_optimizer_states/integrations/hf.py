@@ -81,6 +81,9 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, **overrides: Any) -> tuple
     groups; kwargs carry lr, betas, eps and weight_decay from ``args`` and ``overrides`` (optimizer options such
     as ``schedule="auto"`` or ``subgroup_size``). ``args.max_grad_norm`` is not passed: the Trainer clips.
     """
+    if overrides.get("stream_grads") and args.gradient_accumulation_steps > 1:
+        raise ValueError("stream_grads=True with gradient_accumulation_steps > 1: the stock Trainer cannot mark the "
+                         "micro-batches that are not the last (opt.accumulating()); use DOSTrainer, which does")
     return DeepOptimizerStates, optimizer_kwargs(args, **overrides)
 
 

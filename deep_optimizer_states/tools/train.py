@@ -198,6 +198,8 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     micro = args.micro_batch or defaults["micro_batch"]
     if args.resume and not args.checkpoint_dir:
         raise UsageError("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
 
     # ---- model and data -----------------------------------------------------------------------------------
     tokenizer = None
