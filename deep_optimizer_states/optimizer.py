@@ -99,8 +99,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.module = params if isinstance(params, nn.Module) else model
         if self.module is not None:
             _refuse_sparse_modules(self.module)
-        if isinstance(params, nn.Module):
-            params = list(self.module.named_parameters())
+        if isinstance(params, nn.Module):  # a quantised frozen base (int8 weights, as in QLoRA) is not ours
+            params = [(n, p) for n, p in self.module.named_parameters() if p.is_floating_point() or p.requires_grad]
         if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, int) or subgroup_size <= 0:
             raise ValueError(f"subgroup_size must be an int > 0 (elements per subgroup), got {subgroup_size!r}")
         if isinstance(staging_slots, bool) or not isinstance(staging_slots, int) or staging_slots < 1:

@@ -9,6 +9,7 @@ corrupt value (a NaN moment, a negative ``exp_avg_sq``) raises before any buffer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,14 @@ def _check(opt: "DeepOptimizerStates", sd: dict) -> None:
             entry = state.get(idx, state.get(str(idx)))
             if entry is not None and id(p) in opt.layout.where:
                 _check_entry(idx, entry, p)
+    scaler = (sd.get("dos") or {}).get("loss_scaler")
+    if scaler is not None:  # checked before anything is written, as the rest
+        try:
+            ok = float(scaler["scale"]) > 0 and math.isfinite(float(scaler["scale"])) and int(scaler["clean_steps"]) >= 0
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise ValueError(f"state_dict['dos']['loss_scaler'] is not a loss scaler's state: {scaler!r}")
 
 
 @torch.no_grad()

@@ -51,6 +51,18 @@ def test_unsupported_param_dtypes(dtype):
         DeepOptimizerStates([nn.Parameter(torch.zeros(4)), bad])
 
 
+def test_a_frozen_quantised_param_of_the_model_is_left_out():
+    """Given the model, a frozen int8 weight (a quantised base under a LoRA) is not the optimizer's: left out,
+    where the same tensor given explicitly as a param is refused (above)."""
+    model = mlp()
+    model[0].weight.requires_grad_(False)
+    model[0].register_parameter("qweight", nn.Parameter(torch.zeros(4, dtype=torch.int8), requires_grad=False))
+    opt = DeepOptimizerStates(model, lr=1e-2, schedule="cpu")
+    assert all(p.is_floating_point() for g in opt.param_groups for p in g["params"])
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+
+
 def test_unsupported_dtype_is_named_with_the_module_form():
     model = mlp()
     model[0].bias = nn.Parameter(torch.zeros(96, dtype=torch.float64))

@@ -210,3 +210,17 @@ def test_params_moved_between_groups_after_construction_are_refused():
     loss_of(model, torch.Generator().manual_seed(1)).backward()
     with pytest.raises(RuntimeError, match=r"params of param_groups\[0\] changed after DeepOptimizerStates was built"):
         opt.step()
+
+
+def test_a_malformed_loss_scaler_is_refused_before_anything_is_loaded():
+    model = mlp(torch.float16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule="cpu")
+    opt.scale_loss(loss_of(model, torch.Generator().manual_seed(0))).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg"].fill_(1.0)
+    sd["dos"]["loss_scaler"] = {"scale": float("nan"), "clean_steps": 0}
+    with pytest.raises(ValueError, match="not a loss scaler's state"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
