@@ -58,3 +58,18 @@ def test_bench_refuses_a_negative_probe_count(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--model", "tiny", "--probes", "-1"])
     assert exit_info.value.code == 2 and "argument --probes: must be an integer >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--device", "foo"], "argument --device: invalid choice"),
+    (["--model", "huge"], "argument --model: invalid choice"),
+    (["--device", "cuda"], "--device cuda: no CUDA device here"),
+])
+def test_check_option_errors_are_usage_errors(args, message, capsys):
+    import torch
+
+    if args == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", *args])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt.add_argument("--no-progress", action="store_true", help="no progress bar")
     check = sub.add_parser("check", help="self-check: train on random tokens, every step checked against "
                                          "torch.optim.AdamW (under torchrun: FSDP2)")
-    check.add_argument("--model", default="tiny", help="tiny | 0.5b | 1.36b | 5.2b (default tiny)")
+    check.add_argument("--model", default="tiny", choices=list(PRESETS), help="a preset size (default tiny)")
     check.add_argument("--steps", type=positive_int, default=20)
     check.add_argument("--batch", type=positive_int, default=2)
     check.add_argument("--seq", type=positive_int, default=64)
@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("--schedule", type=_schedule, default="auto", help="auto | offload | cpu | gpu | k")
     check.add_argument("--subgroup-size", type=positive_int, default=None,
                        help="elements (default: 1/8 of the model, <= 25M)")
-    check.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    check.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     check.add_argument("--seed", type=int, default=0)
     check.add_argument("--no-check", dest="check", action="store_false",
                        help="skip the lockstep torch.optim.AdamW reference (it doubles memory)")
@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_training(args)
         except UsageError as e:
             train.error(str(e))
+    if args.command == "check" and args.device == "cuda" and not torch.cuda.is_available():
+        check.error("--device cuda: no CUDA device here")
     commands = {"check": _check, "bench": _bench, "calibrate": _calibrate, "plan": _plan, "profile": _profile}
     return commands[args.command](args)
 
