@@ -41,8 +41,10 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 class DynamicLossScaler:
     """Dynamic loss scaling for fp16 params, with torch.amp.GradScaler's defaults and rules.
 
-    Scales stay powers of two, so unscaling is exact. A step with an inf/nan gradient is skipped and the
-    scale halved; after ``growth_interval`` clean steps in a row the scale doubles.
+    From a power-of-two initial scale (the default; ``loss_scale=<float>`` sets another) the scales stay
+    powers of two, so unscaling is exact; from another, unscaling rounds as torch's GradScaler does. A step
+    with an inf/nan gradient is skipped and the scale halved; after ``growth_interval`` clean steps in a row
+    the scale doubles.
     """
 
     def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
