@@ -30,6 +30,14 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NONFINITE_POLICIES = ("skip", "raise")
 
 
+class _TorchDefault:
+    """weight_decay not given: torch's default for the algorithm (AdamW 1e-2, Adam 0)."""
+
+    def __repr__(self) -> str:
+        return "torch's default (AdamW 1e-2, Adam 0)"
+
+
+TORCH_DEFAULT: Any = _TorchDefault()
 MIN_LOSS_SCALE = 1.0  # below it, fp16 gradients overflow even unscaled: no further halving can help (DeepSpeed's floor)
 
 
@@ -67,7 +75,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         lr: float = 1e-3,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
-        weight_decay: float | None = None,
+        weight_decay: float = TORCH_DEFAULT,
         amsgrad: bool = False,
         *,
         adamw: bool = True,
@@ -90,7 +98,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         fused: bool | None = None,
     ) -> None:
         self.layout: Layout | None = None
-        if weight_decay is None:  # torch's defaults: AdamW 1e-2, Adam 0
+        if weight_decay is TORCH_DEFAULT:
             weight_decay = 1e-2 if adamw else 0.0
         if isinstance(params, nn.Module) and model is not None:
             raise ValueError("the model is given twice: pass it as the first argument or as model=, not both")
