@@ -199,8 +199,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         layout (which params, in which group's hyper-parameters) was built once."""
         now = self._params_by_group()
         if now != self._group_params:
-            k = next((k for k, (a, b) in enumerate(zip(now, self._group_params)) if a != b), min(len(now),
-                                                                                                  len(self._group_params)))
+            shorter = min(len(now), len(self._group_params))  # a group added or removed: the first one past
+            k = next((k for k, (a, b) in enumerate(zip(now, self._group_params)) if a != b), shorter)
             raise RuntimeError(f"the params of param_groups[{k}] changed after DeepOptimizerStates was built (a param "
                                "added, removed or moved to another group): its host states were laid out once, "
                                "so build a new optimizer with the groups you want (load_state_dict() carries "
@@ -589,8 +589,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 self.skipped_steps += 1
                 if self.scaler.scale < MIN_LOSS_SCALE:
                     raise FloatingPointError(
-                        f"inf/nan gradients at every loss scale down to {MIN_LOSS_SCALE:g} ({self.scaler.skipped_steps} "
-                        "steps skipped so far): the loss or the model is not finite whatever the scale (NaN in the "
+                        f"inf/nan gradients at every loss scale down to {MIN_LOSS_SCALE:g} "
+                        f"({self.scaler.skipped_steps} steps skipped so far): the loss or the model is not finite whatever the scale (NaN in the "
                         "data, a diverged run). Nothing was updated; reload the last checkpoint, lower the lr, or "
                         "train bf16")
                 return None

@@ -105,7 +105,8 @@ def _check(opt: "DeepOptimizerStates", sd: dict) -> None:
     scaler = (sd.get("dos") or {}).get("loss_scaler")
     if scaler is not None:  # checked before anything is written, as the rest
         try:
-            ok = float(scaler["scale"]) > 0 and math.isfinite(float(scaler["scale"])) and int(scaler["clean_steps"]) >= 0
+            scale, clean = float(scaler["scale"]), int(scaler["clean_steps"])
+            ok = scale > 0 and math.isfinite(scale) and clean >= 0
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:

@@ -15,6 +15,12 @@ from typing import Callable
 import torch
 
 
+RESET_MESSAGE = ("DeepOptimizerStates keeps each param's states in its own host buffers, so they cannot be removed "
+                 "or replaced through opt.state: to start over, build a new optimizer; to restore states, use "
+                 "load_state_dict(); to change one, assign into it (opt.state[p]['exp_avg'] = t, "
+                 "opt.state[p]['step'] = 0)")
+
+
 class ParamState(dict):
     """One param's state: step, exp_avg, exp_avg_sq, master. Assigning a tensor to a key that holds one
     writes its values into the held tensor (``before_write(key)`` runs first, ``after_write(key)`` after)."""
@@ -53,11 +59,6 @@ class ParamState(dict):
     def clear(self) -> None:
         raise RuntimeError(RESET_MESSAGE)
 
-
-RESET_MESSAGE = ("DeepOptimizerStates keeps each param's states in its own host buffers, so they cannot be removed or "
-          "replaced through opt.state: to start over, build a new optimizer; to restore states, use "
-          "load_state_dict(); to change one, assign into it (opt.state[p]['exp_avg'] = t, "
-          "opt.state[p]['step'] = 0)")
 
 
 class HostState(dict):

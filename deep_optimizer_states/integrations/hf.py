@@ -38,8 +38,7 @@ Notes:
 
 from __future__ import annotations
 
-import dataclasses
-
+import copy
 from typing import Any
 
 import torch
@@ -128,7 +127,8 @@ class DOSTrainer(Trainer):
             if self.dos_kwargs.get("max_grad_norm") is not None:
                 raise ValueError("pass max_grad_norm in TrainingArguments or in dos_kwargs, not both")
             self.dos_kwargs["max_grad_norm"] = self.args.max_grad_norm  # the optimizer sees streamed gradients
-            self.args = dataclasses.replace(self.args, max_grad_norm=0.0)  # a copy: the caller's args stay
+            self.args = copy.copy(self.args)  # the caller's args stay (replace() would rerun __post_init__)
+            self.args.max_grad_norm = 0.0
         optimizer_kwargs(self.args, **self.dos_kwargs)  # refuse bad kwargs now, not at train()
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
