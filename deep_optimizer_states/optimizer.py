@@ -38,7 +38,7 @@ class _TorchDefault:
 
 
 TORCH_DEFAULT: Any = _TorchDefault()
-MIN_LOSS_SCALE = 1.0  # below it, fp16 gradients overflow even unscaled: no further halving can help (DeepSpeed's floor)
+MIN_LOSS_SCALE = 1.0  # below it fp16 gradients overflow even unscaled: halving cannot help (DeepSpeed's floor)
 
 
 class DeepOptimizerStates(torch.optim.Optimizer):
@@ -300,11 +300,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
                 if b.steps[i] > 0 and not isinstance(self.state.raw(p), ParamState):
-                    self.state.expose(p, ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
-                                                    lambda key, p=p: self._make_current(p),
-                                                    lambda key, b=b, i=i: self._state_written(b, i, key)))
+                    self.state.expose(p, self._param_state(b, i))
                 elif b.steps[i] == 0 and p in self.state:
                     self.state.expose(p, None)
+
+    def _param_state(self, b, i: int) -> ParamState:
+        """Param i of bucket b's entry of opt.state: its step count and views of its host buffers."""
+        p = b.params[i]
+        return ParamState({"step": b.step_tensors[i], **self.layout.views(p)}, lambda key: self._make_current(p),
+                          lambda key: self._state_written(b, i, key))
 
     @contextlib.contextmanager
     def every_state_shown(self) -> Iterator[None]:
@@ -316,9 +320,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
                 if not isinstance(self.state.raw(p), ParamState):
-                    self.state.expose(p, ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
-                                                    lambda key, p=p: self._make_current(p),
-                                                    lambda key, b=b, i=i: self._state_written(b, i, key)))
+                    self.state.expose(p, self._param_state(b, i))
         try:
             yield
         finally:
@@ -590,9 +592,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 if self.scaler.scale < MIN_LOSS_SCALE:
                     raise FloatingPointError(
                         f"inf/nan gradients at every loss scale down to {MIN_LOSS_SCALE:g} "
-                        f"({self.scaler.skipped_steps} steps skipped so far): the loss or the model is not finite whatever the scale (NaN in the "
-                        "data, a diverged run). Nothing was updated; reload the last checkpoint, lower the lr, or "
-                        "train bf16")
+                        f"({self.scaler.skipped_steps} steps skipped so far): the loss or the model is not finite "
+                        "whatever the scale (NaN in the data, a diverged run). Nothing was updated; reload the last "
+                        "checkpoint, lower the lr, or train bf16")
                 return None
             multipliers.append(torch.full((), inv_scale, device=self.device))
             norm = raw * inv_scale
