@@ -22,8 +22,8 @@ from .core.layout import Layout, local
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.residency import Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
-from .core.schedule import Placement, Schedule
-from .planning.budget import CudaProbe, MemoryBudget
+from .core.schedule import Placement, Schedule, validate_schedule
+from .planning.budget import CudaProbe, MemoryBudget, validate_budget
 from .planning.plan import Plan, Planner
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -120,6 +120,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError(f"max_grad_norm must be a finite float > 0 or None, got {max_grad_norm!r}")
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
+        validate_schedule(schedule)  # before the host memory is pinned (tens of seconds for a big model)
+        validate_budget(gpu_memory_budget)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=adamw)

@@ -136,3 +136,15 @@ def test_placements_for_each_schedule():
     assert placements(3, 7) == [S, C, C, S, C, C, S]
     auto = placements("auto", 16)
     assert auto.count(S) == 8 and auto[0] is S and auto == placements(2, 16)
+
+
+@pytest.mark.parametrize("kwargs,message", [({"schedule": "GPU"}, "schedule"), ({"gpu_memory_budget": 2.0}, "gpu_memory_budget")])
+def test_a_bad_schedule_or_budget_is_refused_before_host_memory_is_pinned(kwargs, message, monkeypatch):
+    from deep_optimizer_states.core import layout
+
+    def no_pinning(*args, **kw):
+        raise AssertionError("host buffers were allocated before the bad value was refused")
+
+    monkeypatch.setattr(layout, "host_empty_many", no_pinning)
+    with pytest.raises(ValueError, match=message):
+        DeepOptimizerStates(mlp(), **kwargs)

@@ -216,3 +216,42 @@ def test_each_buffer_is_one_registration(monkeypatch):
     assert not t.is_pinned()
     assert int(cudart.cudaHostRegister(t.data_ptr(), 4 * t.numel(), 0)) == 0  # for the finalizer
     assert t.is_pinned()
+
+
+@pytest.mark.parametrize("value,expected", [("inf", None), ("2", 2 * hm.GB), ("-1", ValueError), ("x", ValueError)])
+def test_host_memory_override_values(value, expected, monkeypatch):
+    monkeypatch.setenv(hm.HOST_MEMORY_ENV, value)
+    if expected is ValueError:
+        with pytest.raises(ValueError, match=hm.HOST_MEMORY_ENV):
+            hm.available_host_bytes()
+    else:
+        assert hm.available_host_bytes() == expected
+
+
+def test_a_failed_pinning_fallback_unregisters_the_buffers_registered_before(monkeypatch):
+    """When one buffer's registration fails and torch's pinned allocator cannot take it either, the buffers
+    registered already are unregistered with their tensors (no pages left locked), and the error says what
+    to change."""
+    registered, unregistered = [], []
+
+    def register(ptr, nbytes):
+        registered.append(ptr)
+        return len(registered) != 2  # the second buffer's registration fails
+
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(hm, "_register", register)
+    monkeypatch.setattr(hm, "_unregister_all", lambda ptrs: unregistered.extend(ptrs))
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            raise RuntimeError("cannot lock more memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(MemoryError, match="cannot pin .*ulimit -l"):
+        hm.host_empty_many([HostSpec(1 << 20, torch.float32)] * 4, pin=True)
+    import gc
+
+    gc.collect()
+    assert sorted(unregistered) == sorted(registered[:1] + registered[2:])

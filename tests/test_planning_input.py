@@ -255,3 +255,38 @@ def test_make_installs_once_and_again_when_pyproject_changes(tmp_path):
     os.utime(tmp_path / "pyproject.toml", (stamp + 10, stamp + 10))
     assert "scripts/install.sh" in dry_run()
 
+
+
+@pytest.mark.parametrize("content", ["[]", "null", "dir"])
+def test_a_calibration_cache_that_is_no_record_is_ignored_with_a_warning(content, tmp_path, monkeypatch):
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+    path = calibrate.cache_path(torch.device("cpu"))
+    if content == "dir":
+        path.mkdir(parents=True)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+    with pytest.warns(UserWarning, match="ignoring the calibration cache"):
+        assert calibrate.load_cached(torch.device("cpu")) is None
+
+
+def test_a_cache_folder_that_cannot_be_written_warns_and_keeps_the_rates(tmp_path, monkeypatch):
+    """A read-only home or a full disk must not fail every step that calibrates: the rates stay in memory."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("DOS_CACHE_DIR", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="cannot cache the calibration.*DOS_CACHE_DIR"):
+        assert calibrate.save(H200_LIKE, torch.device("cpu")) is None
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    monkeypatch.delenv("DOS_CACHE_DIR")
+    assert calibrate.cache_path(torch.device("cpu")).is_absolute()  # empty XDG_CACHE_HOME: unset, not the cwd
+
+
+def test_a_planner_with_nothing_to_place_on_a_gpu_plans_nothing():
+    """Every local shard empty (small params over many FSDP2 ranks): every schedule plans zero subgroups."""
+    from deep_optimizer_states.planning.budget import MemoryBudget
+    from tests.test_residency import FakeProbe
+
+    for schedule in ("auto", "offload", "cpu"):
+        planner = Planner([], torch.device("cpu"), 2, rates=H200_LIKE, budget=MemoryBudget(None, FakeProbe()))
+        assert planner.plan(schedule).placements == []

@@ -72,9 +72,14 @@ def available_host_bytes() -> int | None:
     override = os.environ.get(HOST_MEMORY_ENV)
     if override:
         try:
-            return int(float(override) * GB)
+            gigabytes = float(override)
         except ValueError:
             raise ValueError(f"{HOST_MEMORY_ENV}={override!r} is not a number of gigabytes") from None
+        if gigabytes == float("inf"):  # no limit: the check is off
+            return None
+        if not gigabytes >= 0:
+            raise ValueError(f"{HOST_MEMORY_ENV}={override!r}: give a number of gigabytes >= 0 (inf: no check)")
+        return int(gigabytes * GB)
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
@@ -237,16 +242,23 @@ def host_empty_many(specs: Sequence[HostSpec], pin: bool, progress: str | None =
     done = _run([(tensors[i].numel() * tensors[i].element_size(),
                   lambda t=tensors[i]: _register(t.data_ptr(), t.numel() * t.element_size())) for i in nonempty], None,
                 inline_small=False)  # in pool threads, always: see _register
+    for i, ok in zip(nonempty, done):  # every registration's undo first: a failed fallback must not leak them
+        if ok:
+            weakref.finalize(tensors[i], _unregister_all, [tensors[i].data_ptr()])
     for i, ok in zip(nonempty, done):
         if not ok:  # use torch's allocator as before
             log.warning("cudaHostRegister failed for a %s buffer; using torch's pinned allocator",
                         format_bytes(tensors[i].numel() * tensors[i].element_size()))
             tensors[i] = torch.empty(0)  # free the pageable buffer before taking the pinned one
-            tensors[i] = torch.empty(specs[i].numel, dtype=specs[i].dtype, pin_memory=True)
+            try:
+                tensors[i] = torch.empty(specs[i].numel, dtype=specs[i].dtype, pin_memory=True)
+            except RuntimeError as e:
+                raise MemoryError(f"cannot pin {format_bytes(specs[i].numel * specs[i].dtype.itemsize)} of host "
+                                  f"memory ({e}): the host's lockable memory is exhausted. Free host memory, "
+                                  "raise the locked-memory limit (ulimit -l), or shard the model over more "
+                                  "processes") from e
             if specs[i].zero:
                 tensors[i].zero_()
-        else:
-            weakref.finalize(tensors[i], _unregister_all, [tensors[i].data_ptr()])
     seconds = time.perf_counter() - started
     log.info("host buffers: %s in %d (%s), %s available before, %.2f s, %.1f GB/s", format_bytes(total),
              len(specs), "pinned" if pin else "pageable", "?" if available is None else format_bytes(available),

@@ -42,8 +42,8 @@ def fingerprint(device: torch.device) -> dict:
 
 
 def cache_path(device: torch.device) -> Path:
-    root = os.environ.get("DOS_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) \
-        / "deep_optimizer_states"
+    root = os.environ.get("DOS_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
+        / "deep_optimizer_states"  # an empty XDG_CACHE_HOME means unset
     key = hashlib.sha1(json.dumps(fingerprint(device), sort_keys=True).encode()).hexdigest()[:12]
     return Path(root) / f"calibration-{key}.json"
 
@@ -55,6 +55,8 @@ def load_cached(device: torch.device) -> Rates | None:
         return None
     try:
         data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError("not a calibration record")
         if data.get("version") != CACHE_VERSION or data.get("fingerprint") != fingerprint(device):
             raise ValueError("stale: made by another version or for another machine")
         rates = Rates(**data["rates"])
@@ -62,18 +64,28 @@ def load_cached(device: torch.device) -> Rates | None:
                    for k, v in rates.as_dict().items()):
             raise ValueError("rates must be positive numbers (the resident rate may be 0: not measured)")
         return rates
-    except (ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+    except (ValueError, KeyError, TypeError, OSError) as e:  # JSONDecodeError is a ValueError
         warnings.warn(f"ignoring the calibration cache {path}: {e}; recalibrating")
         return None
 
 
-def save(rates: Rates, device: torch.device) -> Path:
+def save(rates: Rates, device: torch.device) -> Path | None:
+    """Cache ``rates`` for this machine; where the cache cannot be written (read-only home, disk full), warn
+    and go on with the rates in memory (the next process calibrates again). Returns the file, or None."""
     path = cache_path(device)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks of one host may save at once
-    tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fingerprint(device),
-                               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": rates.as_dict()}, indent=1))
-    tmp.replace(path)  # atomic: a crash never leaves half a file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fingerprint(device),
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": rates.as_dict()},
+                                  indent=1))
+        tmp.replace(path)  # atomic: a crash never leaves half a file
+    except OSError as e:
+        if tmp.parent.is_dir():
+            tmp.unlink(missing_ok=True)
+        warnings.warn(f"cannot cache the calibration in {path.parent} ({e}); set DOS_CACHE_DIR to a writable "
+                      "folder to keep it between runs")
+        return None
     return path
 
 

@@ -238,7 +238,7 @@ class Planner:
         gradient buffer fit beside the measured need; otherwise those that fit beside staging slots and the
         CPU path's scratch as well."""
         room = self.budget.resident_room() if self.budget.active else 0
-        biggest = max(self.sizes)
+        biggest = max(self.sizes, default=0)
         if room <= 0:
             return 0
         if RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes) + RESIDENT_SCRATCH_BYTES_PER_ELEMENT * biggest <= room:
@@ -255,7 +255,9 @@ class Planner:
             return self.max_slots
         free = self.budget.free() if self.budget.active else CudaProbe(self.device).free()
         free -= max(0, RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want]) - self._held)
-        biggest = max(self.sizes)
+        biggest = max(self.sizes, default=0)
         spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
+        if not biggest:  # nothing to stage (every local shard empty)
+            return self.max_slots
         return int(max(0, min(self.max_slots, spare // (SLOT_BYTES_PER_ELEMENT * biggest))))
 
