@@ -138,7 +138,8 @@ def test_placements_for_each_schedule():
     assert auto.count(S) == 8 and auto[0] is S and auto == placements(2, 16)
 
 
-@pytest.mark.parametrize("kwargs,message", [({"schedule": "GPU"}, "schedule"), ({"gpu_memory_budget": 2.0}, "gpu_memory_budget")])
+@pytest.mark.parametrize("kwargs,message", [({"schedule": "GPU"}, "schedule"),
+                                            ({"gpu_memory_budget": 2.0}, "gpu_memory_budget")])
 def test_a_bad_schedule_or_budget_is_refused_before_host_memory_is_pinned(kwargs, message, monkeypatch):
     from deep_optimizer_states.core import layout
 
