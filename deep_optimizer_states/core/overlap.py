@@ -37,7 +37,7 @@ class HeldGrads(dict):
         self._versions = {key: g._version for key, g in grads.items() if g is not None}
         self._left: dict[int, int] = {}
         for sg in readers:
-            for key in {id(sg.bucket.params[pc.i]) for pc in sg.pieces}:
+            for key in _param_ids(sg):
                 self._left[key] = self._left.get(key, 0) + 1
         self._lock = threading.Lock()  # the CPU worker gathers too (the CPU path's gradients)
 
@@ -45,7 +45,7 @@ class HeldGrads(dict):
         """Let go of the gradients ``sg`` was the last to read; raise if one was changed in place since
         ``step()`` (the update may have read the change: on the CPU it did; on a GPU it may have)."""
         with self._lock:
-            for key in {id(sg.bucket.params[pc.i]) for pc in sg.pieces}:
+            for key in _param_ids(sg):
                 grad = self.get(key)
                 if grad is not None and grad._version != self._versions[key]:
                     raise RuntimeError("a gradient was changed in place while the update that step() left running "
@@ -56,6 +56,11 @@ class HeldGrads(dict):
                 grad = self.pop(key, None) if self._left[key] == 0 else None
                 if grad is not None and grad.is_cuda:
                     grad.record_stream(torch.cuda.current_stream(grad.device))
+
+
+def _param_ids(sg: "Subgroup") -> set[int]:
+    """id() of every param with elements in subgroup ``sg``."""
+    return {id(sg.bucket.params[pc.i]) for pc in sg.pieces}
 
 
 class UpdateInFlight:

@@ -256,8 +256,8 @@ class Planner:
         free = self.budget.free() if self.budget.active else CudaProbe(self.device).free()
         free -= max(0, RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want]) - self._held)
         biggest = max(self.sizes, default=0)
-        spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
         if not biggest:  # nothing to stage (every local shard empty)
             return self.max_slots
+        spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
         return int(max(0, min(self.max_slots, spare // (SLOT_BYTES_PER_ELEMENT * biggest))))
 
