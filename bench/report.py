@@ -88,26 +88,35 @@ def settings(rows: list[dict]) -> str:
 
 
 def by_footprint(rows: list[dict]) -> list[dict]:
-    """Peers placed under the budgets they were not run at, from their whole-device run: a peer does not
-    adapt to free memory, so under a budget it runs as at the whole device if its peak fits (a best case for
-    it: an allocator near its cap can only do worse), and does not fit if its peak is above. This lets one
-    call measure ours at every budget and each peer once. The rows say so (``by_footprint``)."""
+    """Peers placed under the budgets they were not run at, from their run under the smallest budget they
+    ran at (the whole device if none): a peer does not adapt to free memory, so under a larger budget it runs
+    as there (a best case for it: an allocator near its cap can only do worse), and under a smaller one it
+    fits if its peak does. This lets one call measure ours at every budget and each peer once, under the
+    tightest budget it fits. The rows say so (``by_footprint``, ``measured_at_gb``)."""
     have = {(r["model"], r["budget_gb"], r["system"]) for r in rows}
-    budgets = {m: {r["budget_gb"] for r in rows if r["model"] == m and r["budget_gb"] is not None}
-               for m in {r["model"] for r in rows}}
-    out = []
+    budgets = {m: {r["budget_gb"] for r in rows if r["model"] == m} for m in {r["model"] for r in rows}}
+    source: dict[tuple[str, str], dict] = {}
     for r in rows:
-        if (r["budget_gb"] is not None or r["system"].startswith(("ours", REFERENCE))
-                or r.get("status") != "ok"):
+        if r["system"].startswith(("ours", REFERENCE)) or r.get("status") != "ok":
             continue
-        for b in sorted(budgets[r["model"]]):
-            if (r["model"], b, r["system"]) in have:
+        key, b = (r["model"], r["system"]), r["budget_gb"] or float("inf")
+        if key not in source or b < (source[key]["budget_gb"] or float("inf")):
+            source[key] = r
+    out = []
+    for (model, system), r in source.items():
+        for b in sorted(budgets[model], key=lambda b: b or float("inf")):
+            if (model, b, system) in have:
                 continue
-            row = {**r, "budget_gb": b, "by_footprint": True}
-            if r["peak_gpu_GB"] > b:
-                row.update(status="oom", error=f"peak {r['peak_gpu_GB']:.1f} GB at the whole device")
+            row = {**r, "budget_gb": b, "by_footprint": True, "measured_at_gb": r["budget_gb"]}
+            if b is not None and r["peak_gpu_GB"] > b:
+                row.update(status="oom", error=f"peak {r['peak_gpu_GB']:.1f} GB under {_budget(r['budget_gb'])}")
             out.append(row)
     return out
+
+
+def _measured_at(row: dict) -> str:
+    """Where a row placed by its footprint was measured, for the tables; empty for a measured row."""
+    return f" (run at {_budget(row.get('measured_at_gb'))}, by its peak)" if row.get("by_footprint") else ""
 
 
 def _cell(row: dict, key: str, fmt: str = "{:.3f}") -> str:
@@ -136,7 +145,7 @@ def table(rows: list[dict]) -> str:
                 "| update lower bound s | peak GPU GB | host peak GB | pinned host GB | PCIe GB/iter (in+out) "
                 "| loss vs reference |", "|" + "---|" * 13]
         for r in sorted((r for r in rows if r["model"] == model), key=lambda r: (r["budget_gb"] or 1e9, r["system"])):
-            name = r["system"] + (" (whole-device run, by its peak)" if r.get("by_footprint") else "")
+            name = r["system"] + _measured_at(r)
             out.append("| " + " | ".join([name, _budget(r["budget_gb"]), *_cells(r)]) + " |")
         out.append("")
     return "\n".join(out)
@@ -149,7 +158,7 @@ def ratios(rows: list[dict]) -> str:
     for (model, budget, system), ours in sorted(ok.items(), key=lambda kv: (kv[0][0], kv[0][1] or 1e9)):
         if system != OURS:
             continue
-        parts = [f"{peer}{' (by its whole-device peak)' if r.get('by_footprint') else ''}: "
+        parts = [f"{peer}{_measured_at(r)}: "
                  f"iteration x{r['iter_s'] / ours['iter_s']:.2f}, step x{r['step_s'] / ours['step_s']:.2f}"
                  for (m, b, peer), r in sorted(ok.items(), key=lambda kv: kv[0][2])
                  if m == model and b == budget and peer != OURS]

@@ -53,11 +53,14 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 
 
 def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
-         spare_cores: int = 0) -> Callable[[str, torch.device, int], Trainer]:
+         spare_cores: int = 0, checkpointing: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
-    loop's own thread while an overlapped update runs)."""
+    loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
+    checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         threads = max(1, (os.cpu_count() or 1) - spare_cores) if spare_cores else None
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
                                   stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,
@@ -105,7 +108,7 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
                        f"max_grad_norm={max_grad_norm}, cpu_threads={threads}), "
-                       "bf16 params, "
+                       + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host")
     return build
 
@@ -211,6 +214,7 @@ def deepspeed_zero3(ratio: float) -> Callable[[str, torch.device, int], Trainer]
 SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_auto": ours("auto"),
     "ours_auto_stream": ours("auto", stream_grads=True),
+    "ours_auto_stream_ckpt": ours("auto", stream_grads=True, checkpointing=True),
     "ours_auto_overlap": ours("auto", overlap=True),
     "ours_offload": ours("offload"),
     "ours_offload_overlap": ours("offload", stream_grads=True, overlap=True),

@@ -72,21 +72,29 @@ def test_table_and_ratios_show_every_system_including_failures():
 
 
 def test_peers_measured_once_are_placed_under_each_budget_by_their_peak():
-    """Ours runs at every budget; a peer runs once at the whole device: under a budget it shows as there if
-    its peak fits, as not fitting if not, marked either way; a peer measured at a budget keeps its row."""
-    rows = [_row("ours_auto", budget=b, iter_s=0.5) for b in (24, 40)] + [
-        _row("deepspeed_zero3_offload", iter_s=2.0, model="1.36b", peak=31.7),
-        _row("fsdp2_offload", iter_s=2.5, peak=20.8), _row("fsdp2_offload", budget=40, iter_s=2.6, peak=20.8)]
+    """Ours runs at every budget; a peer runs once, under the tightest budget it fits (or the whole device):
+    under a larger budget it shows as there, under a smaller one as fitting if its peak does, marked either
+    way with where it was measured; a peer measured at a budget keeps its row."""
+    rows = [_row("ours_auto", budget=b, iter_s=0.5) for b in (24, 32, 40, None)] + [
+        _row("deepspeed_zero3_offload", iter_s=2.0, peak=31.7),
+        _row("fsdp2_offload", iter_s=2.5, peak=20.8), _row("fsdp2_offload", budget=40, iter_s=2.6, peak=20.8),
+        _row("torchao_offload", budget=32, iter_s=1.5, peak=30.0), _row("torchao_offload", budget=40, iter_s=1.6,
+                                                                         peak=30.0)]
     for r in rows:
         r["peak_gpu_GB"] = r.pop("peak", r["peak_gpu_GB"])
     placed = {(r["budget_gb"], r["system"]): r for r in report.by_footprint(rows)}
-    assert set(placed) == {(24, "deepspeed_zero3_offload"), (40, "deepspeed_zero3_offload"), (24, "fsdp2_offload")}
+    assert set(placed) == {(24, "deepspeed_zero3_offload"), (32, "deepspeed_zero3_offload"),
+                           (40, "deepspeed_zero3_offload"), (24, "fsdp2_offload"), (32, "fsdp2_offload"),
+                           (24, "torchao_offload"), (None, "torchao_offload")}
     assert placed[(24, "deepspeed_zero3_offload")]["status"] == "oom"
-    assert placed[(40, "deepspeed_zero3_offload")]["status"] == "ok" and placed[(24, "fsdp2_offload")]["iter_s"] == 2.5
+    assert placed[(32, "deepspeed_zero3_offload")]["status"] == "ok"
+    assert placed[(24, "fsdp2_offload")]["iter_s"] == 2.6, "the run under the smallest budget stands for the rest"
+    assert placed[(None, "torchao_offload")]["iter_s"] == 1.5 and placed[(24, "torchao_offload")]["status"] == "oom"
     assert all(r["by_footprint"] for r in placed.values())
     text = report.table(rows + list(placed.values()))
-    assert "deepspeed_zero3_offload (whole-device run, by its peak) | 24 GB | does not fit" in text
-    assert "fsdp2_offload (whole-device run, by its peak) | 24 GB | 0.100" in text
+    assert "deepspeed_zero3_offload (run at whole, by its peak) | 24 GB | does not fit" in text
+    assert "fsdp2_offload (run at 40 GB, by its peak) | 24 GB | 0.100" in text
+    assert "torchao_offload (run at 32 GB, by its peak) | whole |" in text
     assert "fsdp2_offload: iteration x5.20" in report.ratios(rows + list(placed.values()))  # measured at 40 GB
 
 

@@ -242,6 +242,21 @@ def test_streamed_gradients_and_overlap_together(slow_adam):
     _compare(tiny_llama, "mixed", stream_grads=True)
 
 
+def _checkpointed(reentrant: bool):
+    def make():
+        model = tiny_llama()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model.train()
+    return make
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_with_overlap_and_streamed_gradients(slow_adam, reentrant):
+    """Backward recomputes each layer's forward: its pre-hooks run again inside backward, and gradients
+    land from inside the recompute; neither may change a bit."""
+    _compare(_checkpointed(reentrant), "mixed", stream_grads=True, max_grad_norm=0.05)
+
+
 def test_an_error_of_the_update_is_raised_at_the_next_step(monkeypatch):
     model = mlp()
     opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule="cpu", overlap=True)
