@@ -88,7 +88,7 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     with DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="cpu", max_grad_norm=1.0) as opt:
         ref = ReferenceAdamW(opt)
         _train(model, opt, ref, seed, steps=3)  # what forward + backward + the reference take
-        need = torch.cuda.max_memory_allocated()
+        need = opt.memory()["gpu_need_bytes"]  # as the optimizer measures it (the update's transients apart)
     del model, opt, ref
     model = _stack(seed)
     update_buffers = (16 * DEFAULT_STAGING_SLOTS + 8 + 4) * 1_000_000  # slots, the CPU path's and residents' scratch
@@ -100,7 +100,7 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     torch.cuda.reset_peak_memory_stats()
     _train(model, opt, ref, seed + 1, steps=8)
     places = opt.placements
-    assert 0 < places.count(R) < len(places), places
+    assert 0 < places.count(R) < len(places), (places.count(R), len(places), need, opt.memory())
     assert torch.cuda.max_memory_allocated() <= budget
     ref.assert_matches(rtol=2e-6)
 
