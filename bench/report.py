@@ -26,11 +26,28 @@ LOSS_TOLERANCE = 0.005
 def load(path: Path) -> list[dict]:
     """The latest row for each (model, budget, system)."""
     latest: dict[tuple, dict] = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines()):
         if line.strip():
             row = json.loads(line)
+            row["line"] = number  # later lines are later runs
             latest[(row["model"], row["budget_gb"], row["system"])] = row
     return list(latest.values())
+
+
+def _is_peer(system: str) -> bool:
+    return not system.startswith(("ours", REFERENCE))
+
+
+def _ours_of_each_cell(ok: dict[tuple, dict]) -> dict[tuple, dict]:
+    """Per (model, budget), the latest run of ours with schedule "auto" (any of its options): the one
+    compared with the peers, so that a ratio comes from the latest call rather than an older variant."""
+    cells: dict[tuple, dict] = {}
+    for (model, budget, system), row in ok.items():
+        if system == OURS or system.startswith(OURS + "_"):
+            held = cells.get((model, budget))
+            if held is None or row.get("line", 0) > held.get("line", 0):
+                cells[(model, budget)] = row
+    return cells
 
 
 def _budget(b: float | None) -> str:
@@ -68,11 +85,14 @@ def loss_drops(rows: list[dict]) -> str:
 
 
 def not_run(rows: list[dict]) -> list[str]:
-    """Every (model, budget, system) of the grid the results span that has no row: shown, not hidden."""
+    """What is missing, shown, not hidden: ours (any variant of OURS) under a model and budget where
+    something ran, and each peer with no row (run or placed) where ours ran."""
     have = {(r["model"], r["budget_gb"], r["system"]) for r in rows}
-    budgets = sorted({r["budget_gb"] for r in rows}, key=lambda b: b or 1e9)
-    return [f"{m}, {_budget(b)}, {s}" for m in sorted({r["model"] for r in rows}) for b in budgets
-            for s in sorted({r["system"] for r in rows}) if (m, b, s) not in have]
+    cells = sorted({(r["model"], r["budget_gb"]) for r in rows}, key=lambda c: (c[0], c[1] or 1e9))
+    ours = {(r["model"], r["budget_gb"]) for r in rows if r["system"].startswith(OURS)}
+    peers = sorted({r["system"] for r in rows if _is_peer(r["system"])})
+    return [f"{m}, {_budget(b)}, {OURS}" for m, b in cells if (m, b) not in ours] + [
+        f"{m}, {_budget(b)}, {s}" for m, b in cells if (m, b) in ours for s in peers if (m, b, s) not in have]
 
 
 def notes(folder: Path) -> list[str]:
@@ -97,7 +117,7 @@ def by_footprint(rows: list[dict]) -> list[dict]:
     budgets = {m: {r["budget_gb"] for r in rows if r["model"] == m} for m in {r["model"] for r in rows}}
     source: dict[tuple[str, str], dict] = {}
     for r in rows:
-        if r["system"].startswith(("ours", REFERENCE)) or r.get("status") != "ok":
+        if not _is_peer(r["system"]) or r.get("status") != "ok":
             continue
         key, b = (r["model"], r["system"]), r["budget_gb"] or float("inf")
         if key not in source or b < (source[key]["budget_gb"] or float("inf")):
@@ -152,17 +172,17 @@ def table(rows: list[dict]) -> str:
 
 
 def ratios(rows: list[dict]) -> str:
-    """Ours against each peer that ran, per model and budget: peer's time / ours (above 1: ours is faster)."""
+    """Ours against each peer that ran, per model and budget: peer's time / ours (above 1: ours is faster).
+    Ours is the latest run with schedule "auto" in that cell (named in the line)."""
     ok = {(r["model"], r["budget_gb"], r["system"]): r for r in rows if r.get("status") == "ok"}
     lines = []
-    for (model, budget, system), ours in sorted(ok.items(), key=lambda kv: (kv[0][0], kv[0][1] or 1e9)):
-        if system != OURS:
-            continue
+    for (model, budget), ours in sorted(_ours_of_each_cell(ok).items(), key=lambda kv: (kv[0][0], kv[0][1] or 1e9)):
         parts = [f"{peer}{_measured_at(r)}: "
                  f"iteration x{r['iter_s'] / ours['iter_s']:.2f}, step x{r['step_s'] / ours['step_s']:.2f}"
                  for (m, b, peer), r in sorted(ok.items(), key=lambda kv: kv[0][2])
-                 if m == model and b == budget and peer != OURS]
-        lines.append(f"- {model}, {_budget(budget)}: " + ("; ".join(parts) or "no peer ran"))
+                 if m == model and b == budget and _is_peer(peer)]
+        lines.append(f"- {model}, {_budget(budget)}, {ours['system']} {ours['iter_s']:.3f} s: "
+                     + ("; ".join(parts) or "no peer ran"))
     return "\n".join(lines)
 
 
@@ -233,8 +253,8 @@ def write_report(results: Path, command: str) -> int:
             "`iter_walls_s`; older rows: the sum of the phases); forward, backward and step: measured in other "
             "iterations with a device synchronize around each phase.", "",
             *notes(results.parent),
-            "## Ours against each peer", "", f"Each peer's time divided by {OURS}'s under the same model and "
-            "budget (above 1: ours is faster).", "", ratios(rows), "", "## All results", "", table(rows), "",
+            "## Ours against each peer", "", "Each peer's time divided by ours under the same model and budget "
+            f"(above 1: ours is faster); ours is the latest run of {OURS} or a variant of it in that cell.", "", ratios(rows), "", "## All results", "", table(rows), "",
             "Not run: " + ("; ".join(not_run(rows)) or "none") + ".", "", "## Settings", "", settings(rows), "",
             "## Figures", "", *[f"![{p.stem}]({p.name})" for p in paths], "", "## Loss check", "",
             "\n".join(f"- FAILED: {f}" for f in failures) or
