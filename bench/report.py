@@ -254,7 +254,8 @@ def write_report(results: Path, command: str) -> int:
             "iterations with a device synchronize around each phase.", "",
             *notes(results.parent),
             "## Ours against each peer", "", "Each peer's time divided by ours under the same model and budget "
-            f"(above 1: ours is faster); ours is the latest run of {OURS} or a variant of it in that cell.", "", ratios(rows), "", "## All results", "", table(rows), "",
+            f"(above 1: ours is faster); ours is the latest run of {OURS} or a variant of it in that cell.", "",
+            ratios(rows), "", "## All results", "", table(rows), "",
             "Not run: " + ("; ".join(not_run(rows)) or "none") + ".", "", "## Settings", "", settings(rows), "",
             "## Figures", "", *[f"![{p.stem}]({p.name})" for p in paths], "", "## Loss check", "",
             "\n".join(f"- FAILED: {f}" for f in failures) or

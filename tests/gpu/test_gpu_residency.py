@@ -79,8 +79,9 @@ def test_auto_on_a_roomy_gpu_keeps_everything_resident_and_matches():
 def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     """Under a budget that leaves room for about a quarter of the states beside the update's buffers (all
     of them would need 40 MB more, so the outcome does not hang on the last MB of the measured need): the
-    peak stays within it, and the result equals torch's AdamW fed the same gradients (two separate bf16 runs would drift apart at the
-    first bf16 rounding that a 1-ulp fp32 difference flips, so the reference rides along in both runs)."""
+    peak stays within it, and the result equals torch's AdamW fed the same gradients (two separate bf16
+    runs would drift apart at the first bf16 rounding that a 1-ulp fp32 difference flips, so the reference
+    rides along in both runs)."""
     seed = _seed()
     model = _stack(seed)
     numel = sum(p.numel() for p in model.parameters())
