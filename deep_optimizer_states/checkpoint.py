@@ -18,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import time
@@ -34,6 +35,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 _TEMP = ".tmp-"
 _TRASH = ".trash-"
+_OURS = re.compile(r"(step|ckpt)-\d{9}(\.\d+)?")  # the names save_checkpoint gives
+_LEFTOVER = re.compile(rf"({re.escape(_TEMP)}|{re.escape(_TRASH)}){_OURS.pattern}\..+")
 _PLAIN = (str, int, float, complex, bytes, type(None), torch.dtype, torch.device, torch.Size)
 _FILES = {"model": "model.pt", "optimizer": "optimizer.pt", "extra": "extra.pt"}
 
@@ -65,17 +68,10 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module | None = None
         raise ValueError("nothing to save: pass a model, an optimizer or extra")
 
     root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    serial = 1 + max((m["serial"] for _, m in _manifests(root)), default=0)
-    name = f"step-{step:09d}" if step is not None else f"ckpt-{serial:09d}"
-    if (root / name).exists():
-        name = f"{name}.{serial}"
-    final = root / name
-    temp = root / f"{_TEMP}{name}.{os.getpid()}.{secrets.token_hex(4)}"
+    serial, final, temp = new_checkpoint_paths(root, step)
     sources = {"model": model.state_dict if model is not None else None,
                "optimizer": optimizer.state_dict if optimizer is not None else None,
                "extra": (lambda: extra) if extra is not None else None}
-    temp.mkdir()
     try:
         files = {}
         for role, source in sources.items():
@@ -94,6 +90,19 @@ def save_checkpoint(directory: str | os.PathLike, model: nn.Module | None = None
     _fsync_dir(root)
     _prune(root, keep, final)
     return final
+
+
+def new_checkpoint_paths(root: Path, step: int | None) -> tuple[int, Path, Path]:
+    """(serial, final path, temporary directory) of the next checkpoint under ``root``; the temporary
+    directory is created, hidden, beside where the checkpoint will be renamed to."""
+    root.mkdir(parents=True, exist_ok=True)
+    serial = 1 + max((m["serial"] for _, m in _manifests(root)), default=0)
+    name = f"step-{step:09d}" if step is not None else f"ckpt-{serial:09d}"
+    if (root / name).exists():
+        name = f"{name}.{serial}"
+    temp = root / f"{_TEMP}{name}.{os.getpid()}.{secrets.token_hex(4)}"
+    temp.mkdir()
+    return serial, root / name, temp
 
 
 def check_save_args(extra: Any, step: Any, keep: Any) -> None:
@@ -218,16 +227,19 @@ def _sha256(path: Path) -> str:
 def _prune(root: Path, keep: int, newest: Path) -> None:
     """Delete complete checkpoints beyond the newest ``keep``, and leftovers of interrupted saves/prunes.
 
-    A checkpoint is renamed to a hidden name before it is removed, so a prune killed halfway never leaves
-    a half-deleted directory that looks like a checkpoint.
+    Only what save_checkpoint names is touched: directories (not links) named as it names checkpoints and
+    its temporary and trash directories; a user's copy, link or other folder in the root stays. A checkpoint
+    is renamed to a hidden name before it is removed, so a prune killed halfway never leaves a half-deleted
+    directory that looks like a checkpoint.
     """
-    for old in list_checkpoints(root)[keep:]:
+    ours = [p for p in list_checkpoints(root) if _OURS.fullmatch(p.name) and not p.is_symlink()]
+    for old in ours[keep:]:
         if old != newest:
             trash = root / f"{_TRASH}{old.name}.{secrets.token_hex(4)}"
             os.rename(old, trash)
             shutil.rmtree(trash, ignore_errors=True)
     for leftover in root.iterdir():
-        if leftover.name.startswith((_TEMP, _TRASH)) and leftover.is_dir():
+        if _LEFTOVER.fullmatch(leftover.name) and leftover.is_dir() and not leftover.is_symlink():
             shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -311,9 +323,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module | None = None,
     """Verify checkpoint ``path``, load it into ``model`` then ``optimizer``, and return its ``extra`` dict.
 
     Every check (files, sizes, sha256 unless ``verify=False``, the model's keys/shapes/dtypes, the optimizer's
-    groups and state shapes) runs before anything is modified; a failure raises CheckpointError naming the
-    file or key. Only if the optimizer's own ``load_state_dict`` still refuses is the model already loaded,
-    and the error says so.
+    groups and state shapes; for DeepOptimizerStates every check of its ``load_state_dict``) runs before
+    anything is modified; a failure raises CheckpointError naming the file or key. Only if another
+    optimizer's ``load_state_dict`` (or ours behind a load pre-hook) still refuses is the model already
+    loaded, and the error says so.
     """
     path = Path(path)
     manifest = read_manifest(path)
@@ -332,12 +345,18 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module | None = None,
               for role, name in _FILES.items() if name in files and wanted[role]}
     if optimizer is not None:
         _check_optimizer(path, optimizer, loaded["optimizer"])
+        check = getattr(optimizer, "check_state_dict", None)  # ours: every check, nothing written
+        if callable(check) and not getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None):
+            try:
+                check(loaded["optimizer"])
+            except (ValueError, TypeError) as e:
+                raise CheckpointError(f"{path / _FILES['optimizer']}: {e}; nothing was loaded") from None
     if model is not None:
         model.load_state_dict(loaded["model"])
     if optimizer is not None:
         try:
             optimizer.load_state_dict(loaded["optimizer"])
-        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+        except (ValueError, KeyError, RuntimeError, TypeError, OverflowError) as e:
             raise CheckpointError(f"{path / _FILES['optimizer']}: the optimizer's load_state_dict refused it ({e}); "
                                   "the model is already loaded, the optimizer keeps what its load_state_dict left "
                                   "(torch's optimizers and DeepOptimizerStates check before writing)") from e

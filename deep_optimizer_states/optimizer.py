@@ -704,6 +704,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 sd = result
         return sd
 
+    def check_state_dict(self, state_dict: dict) -> None:
+        """Raise ValueError where ``load_state_dict`` would refuse ``state_dict`` (as given, before any
+        load pre-hook), changing nothing: for checking a checkpoint before the model is loaded from it."""
+        state_io.check(self, state_dict)
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state_dict of ours (or of torch.optim.AdamW / Adam); validated whole before anything is written."""
         self._open()

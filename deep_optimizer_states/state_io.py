@@ -56,12 +56,20 @@ def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _step_count(idx, entry: dict) -> int:
-    step = entry["step"]
-    value = float(step.item() if isinstance(step, torch.Tensor) else step)
-    if not (value >= 0 and value == int(value)):
-        raise ValueError(f"param {idx}: step {value} is not a whole number >= 0: the state_dict is corrupt")
+def _count(value, what: str) -> int:
+    """A saved count (a step, skipped steps): an int, a whole float or a one-element tensor of them, >= 0;
+    anything else (a bool, a string, inf, 2.5, -1) is a corrupt state_dict."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{what} is {value!r}, not a whole number >= 0: the state_dict is corrupt")
+    if not (math.isfinite(value) and value >= 0 and value == int(value)):
+        raise ValueError(f"{what} is {value}, not a whole number >= 0: the state_dict is corrupt")
     return int(value)
+
+
+def _step_count(idx, entry: dict) -> int:
+    return _count(entry["step"], f"param {idx}: step")
 
 
 def _check_entry(idx, entry: dict, p: torch.Tensor) -> int:
@@ -86,36 +94,55 @@ def _check_entry(idx, entry: dict, p: torch.Tensor) -> int:
     return _step_count(idx, entry)
 
 
-def _check(opt: "DeepOptimizerStates", sd: dict) -> None:
-    """Raise ValueError on the first mismatch or corrupt value."""
+def check(opt: "DeepOptimizerStates", sd: dict) -> None:
+    """Raise ValueError on the first mismatch or corrupt value, before anything is written."""
     if not isinstance(sd, Mapping) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("not an optimizer state_dict: expected the keys 'state' and 'param_groups'")
     saved_groups, state = sd["param_groups"], sd["state"]
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"state_dict has {len(saved_groups)} param groups, this optimizer {len(opt.param_groups)}")
     for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if "betas" not in saved:
+            raise ValueError(f"param group {gi} of the state_dict has no 'betas': it is not an Adam or AdamW "
+                             "state_dict (another optimizer's would start every moment from zero)")
         check_group({**group, **saved})
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(f"param group {gi}: state_dict has {len(saved['params'])} params, "
                              f"this optimizer {len(group['params'])}: was it saved for another model?")
         for idx, p in zip(saved["params"], group["params"]):
             entry = state.get(idx, state.get(str(idx)))
-            if entry is not None and id(p) in opt.layout.where:
+            if entry and id(p) in opt.layout.where:  # {} (a param without a step yet): no state, as torch
                 _check_entry(idx, entry, p)
-    scaler = (sd.get("dos") or {}).get("loss_scaler")
-    if scaler is not None:  # checked before anything is written, as the rest
-        try:
-            scale, clean = float(scaler["scale"]), int(scaler["clean_steps"])
-            ok = scale > 0 and math.isfinite(scale) and clean >= 0
-        except (KeyError, TypeError, ValueError):
-            ok = False
-        if not ok:
-            raise ValueError(f"state_dict['dos']['loss_scaler'] is not a loss scaler's state: {scaler!r}")
+    dos = sd.get("dos") or {}
+    if not isinstance(dos, Mapping):
+        raise ValueError(f"state_dict['dos'] is {type(dos).__name__}, not our entry: the state_dict is corrupt")
+    version = dos.get("version", FORMAT_VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ValueError(f"state_dict['dos'] has format version {version!r}, this code reads up to "
+                         f"{FORMAT_VERSION}: upgrade deep_optimizer_states to load it")
+    if "skipped_steps" in dos:
+        _count(dos["skipped_steps"], "state_dict['dos']['skipped_steps']")
+    scaler = dos.get("loss_scaler")
+    if scaler is not None:
+        _check_scaler(scaler)
+
+
+def _check_scaler(scaler) -> None:
+    """A loss scaler's saved state: a finite scale > 0 and whole counts >= 0."""
+    what = f"state_dict['dos']['loss_scaler'] is not a loss scaler's state: {scaler!r}"
+    if not isinstance(scaler, Mapping) or "scale" not in scaler or "clean_steps" not in scaler:
+        raise ValueError(what)
+    scale = scaler["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(what)
+    for key in ("clean_steps", "skipped_steps"):
+        if key in scaler:
+            _count(scaler[key], f"state_dict['dos']['loss_scaler']['{key}']")
 
 
 @torch.no_grad()
 def load(opt: "DeepOptimizerStates", sd: dict) -> None:
-    _check(opt, sd)
+    check(opt, sd)
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
     where = opt.layout.where
@@ -143,4 +170,5 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
     dos = sd.get("dos") or {}
     if dos.get("loss_scaler") is not None and opt.scaler is not None:
         opt.scaler.load_state_dict(dos["loss_scaler"])
-    opt.skipped_steps = int(dos.get("skipped_steps", opt.skipped_steps))
+    if "skipped_steps" in dos:
+        opt.skipped_steps = _count(dos["skipped_steps"], "skipped_steps")

@@ -139,6 +139,55 @@ def test_keep_prunes_old_checkpoints_and_leftovers(tmp_path):
     assert latest_checkpoint(tmp_path / "nowhere") is None
 
 
+def test_pruning_leaves_what_it_did_not_write(tmp_path):
+    """Only save_checkpoint's own names are pruned: a user's hidden folder, a link to a checkpoint and a
+    copy of one under another name stay, and a link never counts as one of the kept checkpoints."""
+    model, opt = make("adamw")
+    cache = tmp_path / ".tmp-dataset-cache"
+    cache.mkdir()
+    (cache / "data").write_bytes(b"x")
+    first = save_checkpoint(tmp_path, model, opt, step=1, keep=2)
+    (tmp_path / "best").symlink_to(first.name)
+    paths = [save_checkpoint(tmp_path, model, opt, step=s, keep=2) for s in (2, 3)]
+    assert cache.exists() and (cache / "data").exists()
+    assert not first.exists() and (tmp_path / "best").is_symlink()
+    assert paths[0].exists() and paths[1].exists(), "the link did not take a kept checkpoint's place"
+    (tmp_path / "best").unlink()
+    (tmp_path / "best").symlink_to(paths[1].name)
+    copy = tmp_path / "my-copy"
+    copy.mkdir()
+    for f in paths[0].iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    save_checkpoint(tmp_path, model, opt, step=4, keep=1)
+    assert copy.exists() and (tmp_path / "best").is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == [
+        "best", "my-copy", "step-000000004"]
+
+
+def test_an_optimizer_state_ours_would_refuse_leaves_the_model_unloaded(tmp_path):
+    """load_checkpoint runs every check of our load_state_dict before loading the model: an optimizer
+    state that would be refused (torch AdamW with amsgrad, a step count of inf) changes nothing."""
+    model, opt = make("dos")
+    train(model, opt, 0, 2)
+    before = snapshot(model, opt)
+    src = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    amsgrad = torch.optim.AdamW(src.parameters(), lr=1e-3, amsgrad=True)
+    train(src, amsgrad, 0, 2)
+    bad_step = make("dos", seed=3)
+    train(*bad_step, 0, 2)
+
+    class Spoiled:
+        def state_dict(self):
+            sd = bad_step[1].state_dict()
+            return {**sd, "state": {**sd["state"], 0: {**sd["state"][0], "step": float("inf")}}}
+
+    for i, source in enumerate((amsgrad, Spoiled())):
+        path = save_checkpoint(tmp_path / str(i), src, source, step=2)
+        with pytest.raises(CheckpointError, match="nothing was loaded"):
+            load_checkpoint(path, model, opt)
+        assert_same(before, snapshot(model, opt))
+
+
 def test_tied_weights_are_stored_once_and_reload(tmp_path):
     def tied() -> nn.Module:
         model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))

@@ -83,7 +83,8 @@ def test_a_torch_adamw_checkpoint_loads_and_continues_identically():
 
 
 def _bad(sd, how):
-    sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": [dict(g) for g in sd["param_groups"]]}
+    sd = {"state": {k: dict(v) for k, v in sd["state"].items()}, "param_groups": [dict(g) for g in sd["param_groups"]],
+          "dos": dict(sd["dos"])}
     how(sd)
     return sd
 
@@ -101,6 +102,13 @@ BAD_DICTS = {
     "inf master": lambda sd: sd["state"][2]["master_param"].view(-1).__setitem__(0, float("inf")),
     "moment not a tensor": lambda sd: sd["state"][2].update(exp_avg_sq=[0.0] * 4),
     "integer moment": lambda sd: sd["state"][0].update(exp_avg=torch.zeros(96, 32, dtype=torch.int32)),
+    "step a string": lambda sd: sd["state"][1].update(step="5"),
+    "step a bool": lambda sd: sd["state"][1].update(step=True),
+    "step inf": lambda sd: sd["state"][1].update(step=float("inf")),
+    "skipped steps None": lambda sd: sd["dos"].update(skipped_steps=None),
+    "skipped steps negative": lambda sd: sd["dos"].update(skipped_steps=-5),
+    "newer format": lambda sd: sd["dos"].update(version=99),
+    "not an Adam state_dict (no betas)": lambda sd: [g.pop("betas") for g in sd["param_groups"]],
 }
 
 
@@ -224,3 +232,47 @@ def test_a_malformed_loss_scaler_is_refused_before_anything_is_loaded():
     with pytest.raises(ValueError, match="not a loss scaler's state"):
         opt.load_state_dict(sd)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("bad", [{"skipped_steps": None}, {"clean_steps": 2.5}, {"skipped_steps": "x"}],
+                         ids=["skipped_none", "clean_fractional", "skipped_string"])
+def test_a_loss_scaler_with_bad_counts_is_refused_before_anything_is_loaded(bad):
+    model = mlp(torch.float16)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule="cpu")
+    opt.scale_loss(loss_of(model, torch.Generator().manual_seed(0))).backward()
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    before, scaler = copy.deepcopy(opt.state_dict()), opt.scaler.state_dict()
+    sd["state"][0]["exp_avg"].fill_(1.0)
+    sd["dos"]["loss_scaler"].update(scale=opt.scaler.scale * 4, **bad)
+    with pytest.raises(ValueError, match="loss_scaler"):
+        opt.load_state_dict(sd)
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+    assert opt.scaler.state_dict() == scaler
+
+
+def test_torch_sgd_state_dict_is_refused_and_an_empty_torch_entry_is_no_state():
+    """An SGD state_dict would load as "no state" for every param (moments from zero, SGD's lr): refused.
+    torch's AdamW writes {} for a param whose state was read before it had a gradient; that loads, as no
+    state, as torch loads it."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000, schedule="cpu")
+    _train(model, opt, torch.Generator().manual_seed(0), 2)
+    sgd = torch.optim.SGD(mlp().parameters(), lr=0.5)
+    with pytest.raises(ValueError, match="not an Adam or AdamW state_dict"):
+        opt.load_state_dict(sgd.state_dict())
+
+    twin = copy.deepcopy(model)
+    torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    last = list(twin.parameters())[-1]
+    _ = torch_opt.state[last]  # reading it makes the (empty) entry
+    gen = torch.Generator().manual_seed(3)
+    torch_opt.zero_grad()
+    loss_of(twin, gen).backward()
+    last.grad = None  # this param gets no step
+    torch_opt.step()
+    sd = torch_opt.state_dict()
+    assert sd["state"][len(sd["param_groups"][0]["params"]) - 1] == {}
+    fresh = DeepOptimizerStates(copy.deepcopy(twin), lr=1e-3, subgroup_size=2000, schedule="cpu")
+    fresh.load_state_dict(sd)
+    assert not fresh.state[list(fresh.param_groups[0]["params"])[-1]]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -27,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from ..checkpoint import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, _check_files, _check_loadable,
-                          _cpu_copy, _fsync_dir, _load_payload, _manifests, _prune, _sha256, _write_bytes,
-                          _write_payload, check_save_args, read_manifest)
+                          _cpu_copy, _fsync_dir, _load_payload, _prune, _sha256, _write_bytes, _write_payload,
+                          check_save_args, new_checkpoint_paths, read_manifest)
 from ..optimizer import DeepOptimizerStates
 
 SHARDS = "dcp"  # the sub-directory DCP writes into
@@ -84,16 +83,10 @@ def save_sharded_checkpoint(directory: str | os.PathLike, model: nn.Module, opti
     root = Path(directory)
     names = None
     if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        serial = 1 + max((m["serial"] for _, m in _manifests(root)), default=0)
-        name = f"step-{step:09d}" if step is not None else f"ckpt-{serial:09d}"
-        if (root / name).exists():
-            name = f"{name}.{serial}"
-        temp = root / f".tmp-{name}.{os.getpid()}.{secrets.token_hex(4)}"
-        temp.mkdir()
-        names = (serial, name, str(temp))
-    serial, name, temp = _from_rank0(names)
-    temp, final = Path(temp), root / name
+        serial, final, temp = new_checkpoint_paths(root, step)
+        names = (serial, str(final), str(temp))
+    serial, final, temp = _from_rank0(names)
+    temp, final = Path(temp), Path(final)
     try:
         with _all_states(optimizer):
             state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
