@@ -151,6 +151,35 @@ def test_dos_trainer_with_streamed_gradients_matches_torch(runs, tmp_path):
     assert int(opt.state[next(iter(opt.state))]["step"]) == 6
     assert_same_params(ours.final, ref.final, exact=False, rtol=1e-5)
     assert ours.losses == pytest.approx(ref.losses, rel=1e-5)
+    assert len(ours.grad_norms) == 6, "the optimizer's norm is logged (the params' .grad are partly gone)"
+    assert ours.grad_norms == pytest.approx(ref.grad_norms, rel=1e-5)
+
+
+def test_dos_trainer_with_streamed_gradients_skips_a_step_with_an_inf_gradient(tmp_path):
+    """An inf in one gradient: the step is skipped (nonfinite="skip"), as without stream_grads, and the
+    Trainer's own norm logging (which would scale the remaining .grad by inf/inf in place) stays out."""
+    _reset_accelerate()
+    args = training_args(tmp_path, max_steps=3, gradient_accumulation_steps=1)
+    model = tiny_llama()
+    trainer = DOSTrainer(model=model, args=args, train_dataset=TokenData(),
+                         dos_kwargs={"schedule": 2, "subgroup_size": 20_000, "stream_grads": True})
+    armed = {"on": False}
+
+    class Arm(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            armed["on"] = state.global_step == 1
+
+    trainer.add_callback(Arm())
+    model.lm_head.weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("inf")) if armed["on"]
+                                       else g)
+    with pytest.warns(RuntimeWarning, match="step skipped"):
+        trainer.train()
+    opt = trainer.optimizer
+    while not isinstance(opt, DeepOptimizerStates):
+        opt = opt.optimizer
+    assert opt.skipped_steps == 1
+    norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    assert norms[1] == float("inf") and all(n < float("inf") for n in (norms[0], norms[2]))
 
 
 def test_dos_trainer_with_overlap_trains_bit_for_bit_like_without(runs, tmp_path):
@@ -251,6 +280,11 @@ def test_dos_trainer_with_streamed_gradients_leaves_the_callers_arguments_alone(
     assert args.max_grad_norm == 1.0 and first.args.max_grad_norm == 0.0
     second = DOSTrainer(model=tiny_llama(), args=args, train_dataset=TokenData(), dos_kwargs={"stream_grads": True})
     assert second.dos_kwargs["max_grad_norm"] == 1.0
+
+
+def test_overlap_under_the_stock_trainer_is_refused_up_front_with_the_way_that_works(tmp_path):
+    with pytest.raises(ValueError, match="DOSTrainer"):
+        optimizer_cls_and_kwargs(training_args(tmp_path, max_steps=1), overlap=True)
 
 
 def test_stream_grads_with_accumulation_under_the_stock_trainer_is_refused_up_front(tmp_path):

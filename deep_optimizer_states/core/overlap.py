@@ -14,6 +14,7 @@ Anything else that reads or writes params, states or the step count goes through
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -205,6 +206,8 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
     for m in model.modules():  # a submodule's state_dict() and load_state_dict() too
         handles.append(m.register_state_dict_pre_hook(sync))
         handles.append(m.register_load_state_dict_pre_hook(sync))
+    if "torch._dynamo" in sys.modules:  # torch.compile does not guard on module hooks (by default): a graph
+        torch._dynamo.reset()  # compiled before these existed would run without the waits; compile again
     return handles, need
 
 

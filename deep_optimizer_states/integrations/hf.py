@@ -80,6 +80,9 @@ def optimizer_cls_and_kwargs(args: TrainingArguments, **overrides: Any) -> tuple
     groups; kwargs carry lr, betas, eps and weight_decay from ``args`` and ``overrides`` (optimizer options such
     as ``schedule="auto"`` or ``subgroup_size``). ``args.max_grad_norm`` is not passed: the Trainer clips.
     """
+    if overrides.get("overlap"):
+        raise ValueError("overlap=True needs the model (each module waits for its own params), which the stock "
+                         "Trainer does not give its optimizer: use DOSTrainer(dos_kwargs={'overlap': True})")
     if overrides.get("stream_grads") and args.gradient_accumulation_steps > 1:
         raise ValueError("stream_grads=True with gradient_accumulation_steps > 1: the stock Trainer cannot mark the "
                          "micro-batches that are not the last (opt.accumulating()); use DOSTrainer, which does")
@@ -114,8 +117,9 @@ class DOSTrainer(Trainer):
     which waits for the update). With ``dos_kwargs={"stream_grads": True}`` the gradients of CPU-placed
     subgroups leave the GPU during the last micro-batch's backward: the backward of every other micro-batch
     runs under ``opt.accumulating()``, and clipping moves from the Trainer (which reads the params'
-    ``.grad``) into the optimizer: ``args.max_grad_norm`` is given to it and set to 0 for the Trainer (no
-    ``grad_norm`` in the logs then; ``opt.last_grad_norm`` has it).
+    ``.grad``) into the optimizer: ``args.max_grad_norm`` is given to it and set to 0 for the Trainer, and
+    the ``grad_norm`` the Trainer logs is the optimizer's (the Trainer's own would read the ``.grad`` that
+    streaming emptied, and scale them in place).
     """
 
     def __init__(self, *args: Any, dos_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -143,11 +147,30 @@ class DOSTrainer(Trainer):
     def training_step(self, model: torch.nn.Module, inputs: dict, *args: Any, **kwargs: Any) -> torch.Tensor:
         """The base step; with ``stream_grads``, a micro-batch that is not the last of its accumulation
         backpropagates under ``opt.accumulating()`` (its gradients stay to be accumulated)."""
-        opt = _ours(self.optimizer)
-        if opt is None or opt.grad_stream is None or self.accelerator.sync_gradients:
+        opt = self._streams()
+        if opt is None or self.accelerator.sync_gradients:
             return super().training_step(model, inputs, *args, **kwargs)
         with opt.accumulating():
             return super().training_step(model, inputs, *args, **kwargs)
+
+    def _streams(self) -> DeepOptimizerStates | None:
+        opt = _ours(self.optimizer)
+        return opt if opt is not None and opt.grad_stream is not None else None
+
+    def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> Any:
+        """The base class takes the norm over the params' ``.grad`` (``clip_grad_norm_`` to inf, which also
+        scales them in place); with ``stream_grads`` those are partly gone: the optimizer's norm is logged
+        instead (``_maybe_log_save_evaluate``), taken at its step."""
+        if self._streams() is not None:
+            return grad_norm
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+    def _maybe_log_save_evaluate(self, tr_loss: Any, grad_norm: Any, *args: Any, **kwargs: Any) -> Any:
+        """With ``stream_grads``, the step's global gradient norm as the optimizer took it."""
+        opt = self._streams()
+        if opt is not None and opt.last_grad_norm is not None:
+            grad_norm = opt.last_grad_norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:
