@@ -577,7 +577,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
         if raw is None:
             raw = self._total_norm()
-        finite = bool(torch.isfinite(raw))  # one device sync per step: no update is ever half applied
+        finite = bool(torch.isfinite(raw)) or self._grads_finite()  # one device sync per step: no update is
+        # ever half applied; a non-finite norm of finite gradients (huge ones: the squares overflow) steps
         norm, multipliers = raw, []
         if self.scaler is not None:
             if not self._scaled_since_step:
@@ -612,6 +613,23 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if clip is not None:
             multipliers.append(clip_coefficient(norm, clip))
         return multipliers
+
+    @torch.no_grad()
+    def _grads_finite(self) -> bool:
+        """Whether every gradient of this step is finite, element by element (over the ranks too): asked
+        only when the fp32 global norm is not, which finite gradients above ~1e19 / sqrt(numel) also give
+        (torch's AdamW steps on them)."""
+        ok = all(bool(torch.isfinite(g).all()) for g in self.layout.grads())
+        if self.grad_stream is not None:
+            for index, event in self.grad_stream.landed.items():
+                if event is not None:
+                    event.synchronize()
+                ok = ok and bool(torch.isfinite(self.layout.subgroups[index].grad32).all())
+        if self.group is None:
+            return ok
+        flag = torch.tensor([0 if ok else 1], device=self.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        return not bool(flag)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: grads to None (or zeroed in place with ``set_to_none=False``); a pending

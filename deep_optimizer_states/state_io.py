@@ -145,7 +145,7 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
     check(opt, sd)
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
-    where = opt.layout.where
+    where, loaded = opt.layout.where, []
     for saved, group in zip(sd["param_groups"], opt.param_groups):
         for idx, p in zip(saved["params"], group["params"]):
             if id(p) not in where:  # frozen when the optimizer was built: it has no state to load into
@@ -158,14 +158,15 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
                     live[key].copy_(local(entry[key]))
                 else:
                     live[key].zero_()
-            if "master_param" in entry:
+            if "master_param" in entry:  # the params stay as they are (as torch's load): see recheck
                 live["master"].copy_(local(entry["master_param"]))
-                local(p).copy_(live["master"])  # the model's params are the masters, rounded
+                loaded.append(p)
             else:  # a torch checkpoint: the model's weights are the masters (later edits are taken too)
                 opt.layout.take_param(b, i)
             b.steps[i] = _step_count(idx, entry) if entry else 0
             b.step_tensors[i].fill_(b.steps[i])
     opt.layout.record_writes()
+    opt.layout.recheck(loaded)
     opt._expose_state()
     dos = sd.get("dos") or {}
     if dos.get("loss_scaler") is not None and opt.scaler is not None:

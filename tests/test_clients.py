@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import math
 import os
 import pickle
 import threading
@@ -528,6 +529,51 @@ def test_nonfinite_gradient_skips_or_raises_and_changes_nothing(policy):
         lm_step(model, opt, data[3])
     lm_step(ref_model, ref, data[3], max_norm=1.0)
     assert_same_params(params_of(model), params_of(ref_model), exact=False, rtol=1e-6)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["gathered", "streamed"])
+@pytest.mark.parametrize("schedule", ["cpu", 2], ids=str)
+def test_huge_finite_gradients_step_as_torch_does(schedule, stream):
+    """Finite gradients of 1e18 overflow the fp32 global norm (inf), yet hold no inf/nan: torch's AdamW steps
+    on them (Adam does not care about the gradient's scale), and so do we."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    twin = copy.deepcopy(model)
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=1000, schedule=schedule, stream_grads=stream)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    for step in range(3):
+        opt.zero_grad()
+        ref.zero_grad()
+        (model(torch.ones(2, 64)).sum() * 1e18).backward()
+        (twin(torch.ones(2, 64)).sum() * 1e18).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt.step()
+        ref.step()
+        assert opt.skipped_steps == 0 and not math.isfinite(float(opt.last_grad_norm))
+        assert_same_params(params_of(model), params_of(twin), exact=False, rtol=1e-6)
+
+
+def test_a_numpy_float32_lr_from_a_scheduler_is_taken_as_torch_takes_it():
+    np = pytest.importorskip("numpy")
+    model = mlp()
+    twin = copy.deepcopy(model)
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: np.float32(0.9) ** s) for o in (opt, ref)]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for o, m in ((opt, model), (ref, twin)):
+            o.zero_grad()
+        state = gen.get_state()
+        loss_of(model, gen).backward()
+        gen.set_state(state)
+        loss_of(twin, gen).backward()
+        opt.step()
+        ref.step()
+        for s in scheds:
+            s.step()
+    assert isinstance(opt.param_groups[0]["lr"], np.floating)
+    assert_same_params(params_of(model), params_of(twin), exact=False, rtol=1e-6)
 
 
 # ---- 11. zero_grad --------------------------------------------------------------------------------------------

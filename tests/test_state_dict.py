@@ -276,3 +276,32 @@ def test_torch_sgd_state_dict_is_refused_and_an_empty_torch_entry_is_no_state():
     fresh = DeepOptimizerStates(copy.deepcopy(twin), lr=1e-3, subgroup_size=2000, schedule="cpu")
     fresh.load_state_dict(sd)
     assert not fresh.state[list(fresh.param_groups[0]["params"])[-1]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_loading_the_optimizer_leaves_the_models_weights_as_torch_does(dtype):
+    """torch's load_state_dict never writes the params: weights loaded into the model (another checkpoint's,
+    a new init) are the ones training goes on from, with the loaded moments. The same checkpoint's weights,
+    loaded before or after the optimizer, keep the fp32 masters (their low bits, for bf16)."""
+    model = mlp(dtype)
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule="cpu")
+    _train(model, opt, torch.Generator().manual_seed(0), 3)
+    sd, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    masters = [opt.master(p).clone() for p in model.parameters()]
+
+    other = mlp(dtype, seed=123).state_dict()
+    model.load_state_dict(other)
+    opt.load_state_dict(sd)
+    assert all(torch.equal(p, other[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(opt.master(p), other[n].float()) for n, p in model.named_parameters())
+
+    for order in ("model_first", "optimizer_first"):
+        fresh = mlp(dtype, seed=7)
+        fresh_opt = DeepOptimizerStates(fresh, lr=1e-2, subgroup_size=2000, schedule="cpu")
+        if order == "model_first":
+            fresh.load_state_dict(weights)
+        fresh_opt.load_state_dict(copy.deepcopy(sd))
+        if order == "optimizer_first":
+            assert not torch.equal(next(fresh.parameters()), weights["0.weight"]), "the params were not written"
+            fresh.load_state_dict(weights)
+        assert all(torch.equal(fresh_opt.master(p), m) for p, m in zip(fresh.parameters(), masters)), order

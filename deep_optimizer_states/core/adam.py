@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 from torch.optim.adam import adam as _adam
@@ -15,18 +16,19 @@ from torch.optim.adamw import adamw as _adamw
 
 
 def check_group(group: dict) -> None:
-    """Raise a ValueError naming the bad value, so a typo never reaches the states."""
+    """Raise a ValueError naming the bad value, so a typo never reaches the states. Any real number is
+    taken (numpy's float32, which a LambdaLR multiplying by one leaves, as torch takes it)."""
     lr, eps, wd, betas = group["lr"], group["eps"], group["weight_decay"], group["betas"]
     if isinstance(lr, torch.Tensor):
         raise ValueError("lr must be a Python float (tensor lr is not supported); got a tensor")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+    if not (isinstance(lr, Real) and math.isfinite(lr) and lr >= 0):
         raise ValueError(f"lr must be a finite float >= 0, got {lr!r}")
-    if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0):
+    if not (isinstance(eps, Real) and math.isfinite(eps) and eps >= 0):
         raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
-    if not (isinstance(wd, (int, float)) and math.isfinite(wd) and wd >= 0):
+    if not (isinstance(wd, Real) and math.isfinite(wd) and wd >= 0):
         raise ValueError(f"weight_decay must be a finite float >= 0, got {wd!r}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2
-            and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            and all(isinstance(b, Real) and 0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
     for key in ("amsgrad", "maximize", "capturable", "differentiable"):
         if group.get(key):

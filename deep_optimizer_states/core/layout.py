@@ -231,6 +231,13 @@ class Layout:
                 self._note(p)
         self._norms = self._param_norms()
 
+    def recheck(self, params: list[torch.Tensor]) -> None:
+        """Masters loaded for ``params`` without writing them: at the next ``take_edits`` each keeps its
+        master if the param holds that master rounded (the weights of the same checkpoint, loaded before or
+        after), else takes the param's value (other weights: the model's, as torch's AdamW would use)."""
+        for p in params:
+            self._seen[id(p)] = None
+
     @torch.no_grad()
     def take_edits(self) -> list[str]:
         """Masters of params changed outside the optimizer since our last write := their new values.
