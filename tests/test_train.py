@@ -62,6 +62,17 @@ def test_resumed_run_continues_the_same_loss_curve_exactly(tmp_path):
     assert resumed["final_eval_loss"] == full["final_eval_loss"]
 
 
+def test_a_rerun_into_the_same_folder_saves_each_step_once(tmp_path):
+    """A restarted job (no --resume) into a folder that already has its step names: the new checkpoints get
+    a suffix, and the last step is still saved once (a second copy would push step 2 out of --keep 2)."""
+    common = [*SMALL, "--steps", "4", "--eval-every", "0", "--sample-tokens", "0", "--checkpoint-dir",
+              str(tmp_path / "ck"), "--checkpoint-every", "2"]
+    for run in ("first", "second"):
+        dos("train", *common, "--summary-json", str(tmp_path / f"{run}.json"), cache=tmp_path)
+    saved = json.loads((tmp_path / "second.json").read_text())["checkpoints"]
+    assert [Path(p).name.split(".")[0] for p in saved] == ["step-000000002", "step-000000004"], saved
+
+
 def test_resume_refuses_a_checkpoint_of_another_run(tmp_path):
     common = [*SMALL, "--steps", "2", "--eval-every", "0", "--sample-tokens", "0", "--checkpoint-dir", str(tmp_path)]
     dos("train", *common, cache=tmp_path)

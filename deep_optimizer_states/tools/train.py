@@ -302,13 +302,16 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     evals: list[list] = []
     tokens_per_step = micro * seq * accum * world
     checkpoints: list[str] = []
+    saved_step: int | None = None  # the step of this run's last save (names may carry a suffix)
 
     def save(step: int) -> None:
+        nonlocal saved_step
         extra = {"step": step, "lr_scheduler": sched.state_dict(), "data": data.state(step), "run": run,
                  "rng": {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if cuda else None}}
         saver = save_sharded_checkpoint if world > 1 else save_checkpoint
         checkpoints.append(str(saver(args.checkpoint_dir, model, opt, extra=extra, step=step,
                                      keep=args.keep_checkpoints)))
+        saved_step = step
 
     try:
         from tqdm import tqdm
@@ -355,7 +358,7 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         bar.close()
     last = losses[-1][0] if losses else start
     if (args.checkpoint_dir and losses and math.isfinite(losses[-1][1])
-            and (not checkpoints or not checkpoints[-1].endswith(f"step-{last:09d}"))):
+            and saved_step != last):
         save(last)
     eval_loss = mean_over_ranks(evaluate(model, eval_batches, device), world)
     evals.append([last, eval_loss])
