@@ -23,5 +23,5 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -q
 
 # On a GPU machine: the GPU tests alone.
-gpu-test:
+gpu-test: $(STAMP)
 	$(PYTHON) -m pytest -q -m gpu tests/gpu

@@ -1,5 +1,6 @@
 """The ``dos`` command: ``dos train`` (the main job: train a small Llama on text), ``dos check`` (a self-check
-against torch.optim.AdamW, also under torchrun with FSDP2), ``dos bench``, ``dos calibrate`` and ``dos plan``."""
+against torch.optim.AdamW, also under torchrun with FSDP2), ``dos bench``, ``dos calibrate``, ``dos plan`` and
+``dos profile``."""
 
 from __future__ import annotations
 
