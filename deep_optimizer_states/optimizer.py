@@ -309,8 +309,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _param_state(self, b, i: int) -> ParamState:
         """Param i of bucket b's entry of opt.state: its step count and views of its host buffers."""
         p = b.params[i]
-        return ParamState({"step": b.step_tensors[i], **self.layout.views(p)}, lambda key: self._make_current(p),
-                          lambda key: self._state_written(b, i, key))
+        return ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
+                          lambda key: self._before_state_write(p, key), lambda key: self._state_written(b, i, key))
 
     @contextlib.contextmanager
     def every_state_shown(self) -> Iterator[None]:
@@ -318,6 +318,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         its first step (step 0, zero moments, its master). For torch.distributed.checkpoint, which otherwise
         "initialises" an optimizer without state by a step with zero gradients (moving every step count to
         1) and cannot load a checkpoint that lacks a param never trained yet."""
+        self._open()
         self.synchronize()
         for b in self.layout.buckets:
             for i, p in enumerate(b.params):
@@ -340,6 +341,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.residents.evict()
         elif id(p) in self.layout.where:
             self._evict_param(*self.layout.where[id(p)])
+
+    def _before_state_write(self, p: torch.Tensor, key: str) -> None:
+        """Before a write into opt.state[p]: its states are current on the host; before a new master, the
+        edits of every param so far are taken (the write records the params as ours, which would hide them;
+        an edit of p itself gives way to the master written)."""
+        self._make_current(p)
+        if key == "master":
+            self.layout.take_edits()
 
     def _state_written(self, b, i: int, key: str) -> None:
         """After a write into opt.state[p]: a new step count is the layout's too; new weights need nothing
@@ -395,6 +404,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     @schedule.setter
     def schedule(self, value: Schedule) -> None:
+        self._open()
         self.synchronize()
         self.planner.plan(value)
 
@@ -483,8 +493,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
             plan = streamed_for
-        self._ran = plan.placements
-        self.residents.evict(keep={i for i, place in enumerate(plan.placements) if place is Placement.RESIDENT})
+        self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
+        self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
         for sg, place in zip(self.layout.subgroups, plan.placements):

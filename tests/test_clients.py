@@ -437,8 +437,10 @@ def test_building_ten_times_leaks_nothing(how):
         if how == "with":
             with DeepOptimizerStates(model, lr=LR, schedule=2, subgroup_size=3000) as opt:
                 train(opt, i)
-            with pytest.raises(RuntimeError, match="closed"):
-                opt.step()
+            for use in (opt.step, lambda: setattr(opt, "schedule", "cpu"),
+                        lambda: opt.every_state_shown().__enter__()):
+                with pytest.raises(RuntimeError, match="closed"):
+                    use()
         else:
             opt = DeepOptimizerStates(model, lr=LR, schedule=2, subgroup_size=3000)
             train(opt, i)

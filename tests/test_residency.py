@@ -172,6 +172,60 @@ def test_an_edited_weight_of_a_resident_subgroup_becomes_its_master():
     ref.assert_matches()
 
 
+@pytest.mark.parametrize("schedule", ["cpu", "resident"])
+def test_a_master_written_through_opt_state_keeps_another_params_pending_edit(schedule):
+    """An in-place edit of one weight, then a master assigned to another param: both are what the next step
+    trains from (the assignment records the params as the optimizer's own writes, after taking the edit)."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=1500, schedule="cpu")
+    if schedule == "resident":
+        opt.schedule = [R] * len(opt.layout.subgroups)
+    ref = _lockstep(model, opt, steps=2)
+    edited, assigned = model[3].weight, model[0].weight
+    with torch.no_grad():
+        edited.mul_(0.5)
+    ref.masters[edited].data.copy_(edited.detach())
+    new = torch.randn_like(assigned, dtype=torch.float32)
+    opt.state[assigned]["master"] = new
+    ref.masters[assigned].data.copy_(new)
+    assert torch.equal(assigned.detach(), new.to(assigned.dtype)), "the param follows the master written"
+    steps_beside(model, opt, ref, torch.Generator().manual_seed(9), 2)
+    ref.assert_matches()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_residents_asked_for_after_gradients_streamed_down_take_this_step_on_the_host(overlap):
+    """stream_grads sent this step's gradients down for the CPU path; a schedule asking for residents
+    between backward and step() starts with the next backward: this step runs on the host, and the
+    subgroups held resident from earlier steps leave first (their host copy is the one updated)."""
+    model, twin = mlp(), mlp()
+    ours = DeepOptimizerStates(model, lr=1e-2, subgroup_size=1500, schedule="cpu", stream_grads=True,
+                               overlap=overlap)
+    plain = DeepOptimizerStates(twin, lr=1e-2, subgroup_size=1500, schedule="cpu")
+    everywhere = [R] * len(ours.layout.subgroups)
+    gen, gen_t = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+
+    def step(switch=None):
+        for o, m, g in ((ours, model, gen), (plain, twin, gen_t)):
+            o.zero_grad()
+            loss_of(m, g).backward()
+        if switch is not None:
+            ours.schedule = switch
+        ours.step()
+        plain.step()
+
+    ours.schedule = everywhere
+    step()
+    step()
+    ours.schedule = "cpu"
+    step(switch=everywhere)
+    step()
+    step()
+    ours.synchronize()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(ours.master(p), plain.master(q), rtol=1e-6, atol=0)
+
+
 def test_a_failed_admission_takes_the_cpu_path_and_is_counted(monkeypatch):
     model = tiny_llama()
     opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, schedule="cpu")
