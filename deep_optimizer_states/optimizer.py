@@ -151,6 +151,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.layout.before_host_write = self._evict_param
         self.engine = Engine(self.device)
         self.residents = Residents(self.device)
+        self._evictions: list[tuple[int, int]] = []  # since the last step: (allocator peak, bytes held before)
+        self.residents.before_evict = self._note_eviction
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe),
@@ -363,6 +365,20 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 local(b.params[i]).copy_(self.layout.views(b.params[i])["master"])
             self.layout.record_writes()
 
+    def _note_eviction(self, held: int) -> None:
+        """Before residents leave between steps: the allocator's peak then, and the bytes held until then."""
+        probe = self.planner.budget.probe
+        if probe is not None:
+            self._evictions.append((probe.peak(), held))
+
+    def _held_at_peak(self) -> int:
+        """The resident bytes held when the allocator reached its peak since the last step: those held
+        before the first eviction after which the peak has not moved (the model's need is the peak less
+        them), else those held now (the peak came after every eviction, or there was none)."""
+        probe = self.planner.budget.probe
+        peak = probe.peak() if probe is not None else None
+        return next((held for at, held in self._evictions if at == peak), self.residents.bytes())
+
     def _evict_param(self, bucket, i: int) -> None:
         if len(self.residents):
             self.residents.evict(only={sg.index for sg in self.layout.subgroups_of(bucket, i)})
@@ -489,12 +505,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
-        plan = self.planner.refresh(self.residents.bytes())
+        plan = self.planner.refresh(self._held_at_peak())
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
             plan = streamed_for
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
+        self._evictions.clear()
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
         for sg, place in zip(self.layout.subgroups, plan.placements):

@@ -338,6 +338,58 @@ def _planner(probe, sizes, budget=None, slots=2):
     return Planner(sizes, torch.device("cpu"), slots, rates=H200_LIKE, budget=MemoryBudget(budget, probe))
 
 
+@pytest.mark.parametrize("between", ["nothing", "edit", "read", "evicted_before_a_larger_peak"])
+def test_an_eviction_between_backward_and_step_leaves_the_measured_need_alone(between):
+    """The need is the allocator's peak less the residents held when it was reached: an eviction after
+    backward (an edited weight, a state read) must not count the evicted states as the model's (the need
+    only grows: "auto" would keep fewer residents for good); one before a higher peak must count them."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=700, schedule="cpu")
+    sizes = [sg.numel for sg in opt.layout.subgroups]
+    probe = FakeProbe(total=10 * GB, limit=2 * GB, allocated=10 * 2**20, peak=0)
+    budget = MemoryBudget(None, probe)
+    base = budget.bytes() - budget.headroom() - 12 * sum(sizes) - 4 * max(sizes) - 50_000  # all fit, barely
+    probe.peak_bytes = base
+    opt.planner = _planner(probe, sizes)
+    opt.schedule = "auto"
+    gen = torch.Generator().manual_seed(1)
+
+    def train(steps, before_step=lambda: None):
+        for _ in range(steps):
+            opt.zero_grad()
+            loss_of(model, gen).backward()
+            before_step()
+            opt.step()
+
+    train(2)  # the first step measures the need, the second admits every subgroup
+    held = opt.residents.bytes()
+    assert len(opt.residents) == len(sizes)
+
+    def act():
+        if between == "edit":
+            with torch.no_grad():
+                model[3].weight.mul_(0.5)
+        elif between in ("read", "evicted_before_a_larger_peak"):
+            opt.state[model[3].weight]["exp_avg"]
+        if between == "evicted_before_a_larger_peak":  # the peak moves again after the eviction
+            probe.peak_bytes = base + held + 8192
+        else:
+            probe.peak_bytes = base + held + 4096  # forward and backward held the residents
+
+    opt.zero_grad()
+    loss_of(model, gen).backward()
+    probe.peak_bytes = base + held + 4096
+    act()
+    opt.step()
+    expected = base + 4096 if between != "evicted_before_a_larger_peak" else None
+    if expected is not None:
+        assert opt.memory()["gpu_need_bytes"] == expected
+        train(2)
+        assert len(opt.residents) == len(sizes), "every subgroup stays resident"
+    else:  # the higher peak came with fewer residents held: counted against the need, conservatively
+        assert opt.memory()["gpu_need_bytes"] > base + 4096
+
+
 def test_auto_keeps_everything_resident_when_it_fits_and_a_prefix_when_not():
     sizes = [25_000_000] * 40  # 1e9 params: 12 GB of resident states
     probe = FakeProbe(total=141 * GB, allocated=5 * GB, peak=20 * GB)

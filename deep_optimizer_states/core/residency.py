@@ -11,6 +11,7 @@ subgroup on the CPU path for that step: training goes on, and the event is count
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,6 +36,7 @@ class Residents:
         self.device = device
         self._states: dict[int, tuple[Subgroup, torch.Tensor]] = {}
         self.counters = ResidentCounters()
+        self.before_evict: Callable[[int], None] | None = None  # told the bytes held before an eviction
 
     def __contains__(self, sg: Subgroup) -> bool:
         return sg.index in self._states
@@ -76,6 +78,8 @@ class Residents:
         out = [i for i in self._states if (keep is None or i not in keep) and (only is None or i in only)]
         if not out:
             return 0
+        if self.before_evict is not None:
+            self.before_evict(self.bytes())
         if self.device.type == "cuda":  # the last update (or admission) must have finished writing them
             torch.cuda.current_stream(self.device).synchronize()
         for i in out:
