@@ -492,6 +492,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._refuse_edited_grads()
             self._step(self._has_grad())
         finally:
+            self._evictions.clear()  # the next step measures from here
             if self.grad_stream is not None:
                 self.grad_stream.reset()
         return loss
@@ -511,7 +512,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             plan = streamed_for
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
-        self._evictions.clear()
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
         for sg, place in zip(self.layout.subgroups, plan.placements):
