@@ -275,6 +275,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if not local(p).is_contiguous():
                 raise ValueError(f"param {name} is not contiguous: make it so before building the optimizer "
                                  "(with torch.no_grad(): p.data = p.data.contiguous())")
+        _refuse_overlapping(params)
         devices = sorted({str(local(p).device) for _, p in params})
         if len(devices) > 1:
             raise ValueError(f"params are on several devices ({', '.join(devices)}); move the model to one device "
@@ -780,6 +781,19 @@ def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
 def _remove_all(handles: list) -> None:
     for h in handles:
         h.remove()
+
+
+def _refuse_overlapping(params: list[tuple[str, torch.Tensor]]) -> None:
+    """Two params viewing the same memory would each keep a master of it, and the last written would win
+    (torch's AdamW applies both updates in turn): refused. Disjoint views of one buffer are fine."""
+    spans = sorted((t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
+                    (t.storage_offset() + t.numel()) * t.element_size(), name)
+                   for name, p in params if (t := local(p)).numel())
+    for (base, _, end, name), (base2, start2, _, name2) in zip(spans, spans[1:]):
+        if base == base2 and start2 < end:
+            raise ValueError(f"params {name} and {name2} share memory: each would keep its own fp32 master of "
+                             "it, so one's update would undo the other's. Tie them as one Parameter (as tied "
+                             "embeddings are), or give each its own storage")
 
 
 def _refuse_sparse_modules(module: nn.Module) -> None:

@@ -149,3 +149,22 @@ def test_a_bad_schedule_or_budget_is_refused_before_host_memory_is_pinned(kwargs
     monkeypatch.setattr(layout, "host_empty_many", no_pinning)
     with pytest.raises(ValueError, match=message):
         DeepOptimizerStates(mlp(), **kwargs)
+
+
+def test_params_sharing_memory_are_refused_and_disjoint_views_are_not():
+    buffer = torch.zeros(10)
+    overlapping = [nn.Parameter(buffer), nn.Parameter(buffer[2:].view(2, 4))]
+    with pytest.raises(ValueError, match="share memory"):
+        DeepOptimizerStates(overlapping)
+    DeepOptimizerStates([nn.Parameter(buffer[:5]), nn.Parameter(buffer[5:])])
+
+
+def test_a_param_reshaped_after_construction_is_refused():
+    """Same numel, other shape: the moments would meet other elements (torch's AdamW fails on the sizes)."""
+    model = nn.Linear(4, 3)
+    opt = DeepOptimizerStates(model, schedule="cpu")
+    with torch.no_grad():
+        model.weight.data = model.weight.data.t().contiguous()
+    model.weight.grad = torch.ones_like(model.weight)
+    with pytest.raises(RuntimeError, match="shape changed"):
+        opt.step()

@@ -270,3 +270,42 @@ def test_gradients_changed_in_place_after_some_went_down_are_refused(edit):
     loss_of(model, torch.Generator().manual_seed(1)).backward()
     opt.step()
     assert int(opt.state[next(model.parameters())]["step"]) == 1
+
+
+def test_a_used_zero_element_param_inside_a_subgroup_does_not_send_it_early():
+    """An empty param's gradient hook fires too; it belongs to no subgroup, so it must not count towards
+    one: else the subgroup went down before a's gradient came, and a stepped on zeros."""
+    class Gap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.z, self.b = (nn.Parameter(torch.randn(n)) for n in (8, 0, 8))
+
+        def forward(self, x):  # a used first: its gradient comes last
+            return (torch.cat([x * self.a, self.z]) * self.b).sum() ** 2
+
+    model = Gap()
+    masters = [p.detach().clone().requires_grad_(True) for p in model.parameters()]
+    ref = torch.optim.AdamW(masters, lr=1e-2, weight_decay=0.1)
+    opt = DeepOptimizerStates(model, lr=1e-2, weight_decay=0.1, schedule="cpu", stream_grads=True,
+                              subgroup_size=1000)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad()
+        ref.zero_grad()
+        x = torch.randn(8, generator=gen)
+        model(x).backward()
+        a, z, b = masters
+        ((torch.cat([x * a, z]) * b).sum() ** 2).backward()
+        ref.step()
+        opt.step()
+        for p, m in zip(model.parameters(), masters):
+            torch.testing.assert_close(p.detach(), m.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_only_empty_params_stream_nothing_and_step():
+    model = nn.Linear(0, 0, bias=False)
+    opt = DeepOptimizerStates(model, stream_grads=True)
+    opt.zero_grad()
+    model(torch.zeros(2, 0)).sum().backward()
+    opt.step()

@@ -35,7 +35,7 @@ class GradStream:
         self.final = True  # False inside opt.accumulating(): this backward is not the last micro-batch
         self._subgroups_of = {id(p): layout.subgroups_of(b, i) for b in layout.buckets for i, p in enumerate(b.params)}
         self._pieces = {sg.index: len(sg.pieces) for sg in layout.subgroups}
-        self._biggest = max(sg.numel for sg in layout.subgroups)
+        self._biggest = max((sg.numel for sg in layout.subgroups), default=0)
         self._buffer: torch.Tensor | None = None
         self.sent = 0  # subgroups sent down since the optimizer was built (telemetry)
         self._ref = weakref.ref(self)

@@ -184,6 +184,7 @@ class Layout:
             for start, end in _split(n, subgroup_size) if n else ():
                 self.subgroups.append(Subgroup(len(self.subgroups), bucket, start, end, _pieces(bucket, start, end)))
         self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
+        self.shapes = {id(p): tuple(local(p).shape) for b in self.buckets for p in b.params}
         self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
         self._seen: dict[int, tuple[int, int]] = {}
         self.before_host_write = None  # (bucket, i) -> None: called before an edit is written to a master
@@ -195,8 +196,9 @@ class Layout:
 
     def subgroups_of(self, b: Bucket, i: int) -> list[Subgroup]:
         """The subgroups that hold elements of param i of bucket b."""
-        s = b.param_slice(i)
-        return [sg for sg in self.subgroups if sg.bucket is b and sg.start < s.stop and sg.end > s.start]
+        s = b.param_slice(i)  # an empty param is in no subgroup (its offset may fall inside one)
+        return [sg for sg in self.subgroups if sg.bucket is b and s.start < s.stop and sg.start < s.stop
+                and sg.end > s.start]
 
     def views(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """p's master, exp_avg and exp_avg_sq: views into the host buffers, shaped like its local tensor."""
@@ -287,6 +289,8 @@ class Layout:
                     what = f"it moved from {self.device} to {t.device}"
                 elif t.numel() != b.sizes[i]:
                     what = f"its size changed to {t.numel()} elements"
+                elif tuple(t.shape) != self.shapes[id(p)]:  # the moments would meet other elements
+                    what = f"its shape changed from {self.shapes[id(p)]} to {tuple(t.shape)}"
                 elif not t.is_contiguous():
                     what = "it is no longer contiguous (p.data was replaced by a strided tensor)"
                 if what:
