@@ -351,7 +351,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         an edit of p itself gives way to the master written)."""
         self._make_current(p)
         if key == "master":
-            self.layout.take_edits()
+            self.layout.take_edits(settle=False)
 
     def _state_written(self, b, i: int, key: str) -> None:
         """After a write into opt.state[p]: a new step count is the layout's too; new weights need nothing
@@ -407,7 +407,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """The fp32 master weight of ``p`` (its local shard under FSDP2): a view into pinned host memory."""
         self._open()
         self.synchronize()
-        self.layout.take_edits()
+        self.layout.take_edits(settle=False)
         if id(p) not in self.layout.where:
             raise KeyError("this param has no master: it is not in the optimizer, or had requires_grad=False "
                            "when the optimizer was built")
@@ -605,8 +605,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
         if raw is None:
             raw = self._total_norm()
-        finite = bool(torch.isfinite(raw)) or self._grads_finite()  # one device sync per step: no update is
-        # ever half applied; a non-finite norm of finite gradients (huge ones: the squares overflow) steps
+        # one device sync per step: no update is ever half applied. A non-finite norm of finite gradients
+        # (huge ones: the squares overflow) steps, as torch's; with a loss scaler it is skipped and the scale
+        # backs off instead (the norm of the unscaled gradients is not at hand to clip by)
+        finite = bool(torch.isfinite(raw)) or (self.scaler is None and self._grads_finite())
         norm, multipliers = raw, []
         if self.scaler is not None:
             if not self._scaled_since_step:
@@ -740,7 +742,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._check_not_failed()
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        self.layout.take_edits()  # weights loaded since the last step are the masters a checkpoint must hold
+        self.layout.take_edits(settle=False)  # weights edited since the last step are what a checkpoint holds
         self.layout.sync_steps()
         self.residents.evict()  # the host copy is what a checkpoint holds (the next step admits them again)
         sd = state_io.pack(self)

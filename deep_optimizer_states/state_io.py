@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from numbers import Real
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,7 +62,7 @@ def _count(value, what: str) -> int:
     anything else (a bool, a string, inf, 2.5, -1) is a corrupt state_dict."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, Real):  # numpy's scalars too, as torch takes them
         raise ValueError(f"{what} is {value!r}, not a whole number >= 0: the state_dict is corrupt")
     if not (math.isfinite(value) and value >= 0 and value == int(value)):
         raise ValueError(f"{what} is {value}, not a whole number >= 0: the state_dict is corrupt")
@@ -133,7 +134,7 @@ def _check_scaler(scaler) -> None:
     if not isinstance(scaler, Mapping) or "scale" not in scaler or "clean_steps" not in scaler:
         raise ValueError(what)
     scale = scaler["scale"]
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+    if isinstance(scale, bool) or not isinstance(scale, Real) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(what)
     for key in ("clean_steps", "skipped_steps"):
         if key in scaler:

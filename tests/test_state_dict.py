@@ -293,6 +293,9 @@ def test_loading_the_optimizer_leaves_the_models_weights_as_torch_does(dtype):
     model.load_state_dict(other)
     opt.load_state_dict(sd)
     assert all(torch.equal(p, other[n]) for n, p in model.named_parameters())
+    for group in opt.param_groups:  # a step that moves nothing: the masters it starts from show
+        group["lr"] = 0.0
+    _train(model, opt, torch.Generator().manual_seed(1), 1)
     assert all(torch.equal(opt.master(p), other[n].float()) for n, p in model.named_parameters())
 
     for order in ("model_first", "optimizer_first"):
@@ -303,5 +306,21 @@ def test_loading_the_optimizer_leaves_the_models_weights_as_torch_does(dtype):
         fresh_opt.load_state_dict(copy.deepcopy(sd))
         if order == "optimizer_first":
             assert not torch.equal(next(fresh.parameters()), weights["0.weight"]), "the params were not written"
+            fresh_opt.master(next(fresh.parameters()))  # reads before the weights come settle nothing
+            fresh_opt.state_dict()
             fresh.load_state_dict(weights)
         assert all(torch.equal(fresh_opt.master(p), m) for p, m in zip(fresh.parameters(), masters)), order
+
+
+def test_counts_saved_as_numpy_scalars_load_as_torch_loads_them():
+    np = pytest.importorskip("numpy")
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=2000)
+    _train(model, opt, torch.Generator().manual_seed(0), 2)
+    sd = copy.deepcopy(opt.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = np.int64(2)
+    sd["dos"]["skipped_steps"] = np.int64(0)
+    fresh = DeepOptimizerStates(copy.deepcopy(model), lr=1e-3, subgroup_size=2000)
+    fresh.load_state_dict(sd)
+    assert all(int(s["step"]) == 2 for s in fresh.state.values())

@@ -186,7 +186,8 @@ class Layout:
         self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
         self.shapes = {id(p): tuple(local(p).shape) for b in self.buckets for p in b.params}
         self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._seen: dict[int, tuple[int, int]] = {}
+        self._seen: dict[int, tuple[int, int] | None] = {}
+        self._pending: set[int] = set()  # ids of params whose loaded master waits for the next step (recheck)
         self.before_host_write = None  # (bucket, i) -> None: called before an edit is written to a master
         with torch.no_grad():
             for b in self.buckets:
@@ -230,18 +231,21 @@ class Layout:
         state_dict)."""
         for b in self.buckets:
             for p in b.params:
-                self._note(p)
+                if id(p) not in self._pending:
+                    self._note(p)
         self._norms = self._param_norms()
 
     def recheck(self, params: list[torch.Tensor]) -> None:
-        """Masters loaded for ``params`` without writing them: at the next ``take_edits`` each keeps its
-        master if the param holds that master rounded (the weights of the same checkpoint, loaded before or
-        after), else takes the param's value (other weights: the model's, as torch's AdamW would use)."""
+        """Masters loaded for ``params`` without writing them: at the next step's ``take_edits`` each keeps
+        its master if the param holds that master rounded (the weights of the same checkpoint, loaded before
+        or after), else takes the param's value (other weights: the model's, as torch's AdamW would use).
+        Reads before that step (``master``, ``state_dict``) see the loaded master and settle nothing."""
         for p in params:
             self._seen[id(p)] = None
+            self._pending.add(id(p))
 
     @torch.no_grad()
-    def take_edits(self) -> list[str]:
+    def take_edits(self, settle: bool = True) -> list[str]:
         """Masters of params changed outside the optimizer since our last write := their new values.
 
         An in-place edit (``model.load_state_dict``, ``p.copy_`` under no_grad) bumps the param's version;
@@ -256,6 +260,11 @@ class Layout:
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 t = local(p)
+                if id(p) in self._pending:
+                    if not settle:  # a loaded master: the step decides (recheck)
+                        k += 1
+                        continue
+                    self._pending.discard(id(p))
                 if moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
                     if self.before_host_write is not None:
                         self.before_host_write(b, i)  # a resident's states back on the host first
