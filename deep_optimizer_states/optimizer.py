@@ -151,8 +151,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.layout.before_host_write = self._evict_param
         self.engine = Engine(self.device)
         self.residents = Residents(self.device)
-        self._evictions: list[tuple[int, int]] = []  # since the last step: (allocator peak, bytes held before)
-        self.residents.before_evict = self._note_eviction
+        self.residents.before_evict = lambda held: self.planner.budget.note_eviction(held)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe),
@@ -357,28 +356,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """After a write into opt.state[p]: a new step count is the layout's too; new weights need nothing
         (the master was written), except that the param must follow its master."""
         if key == "step":
-            value = float(b.step_tensors[i])
-            if not (value >= 0 and value == int(value)):
-                raise ValueError(f"opt.state[p]['step'] must be a whole number >= 0, got {value}")
-            b.steps[i] = int(value)
+            self.layout.sync_steps()  # refused at once if it is no whole number >= 0
         elif key == "master":
             with torch.no_grad():
                 local(b.params[i]).copy_(self.layout.views(b.params[i])["master"])
             self.layout.record_writes()
-
-    def _note_eviction(self, held: int) -> None:
-        """Before residents leave between steps: the allocator's peak then, and the bytes held until then."""
-        probe = self.planner.budget.probe
-        if probe is not None:
-            self._evictions.append((probe.peak(), held))
-
-    def _held_at_peak(self) -> int:
-        """The resident bytes held when the allocator reached its peak since the last step: those held
-        before the first eviction after which the peak has not moved (the model's need is the peak less
-        them), else those held now (the peak came after every eviction, or there was none)."""
-        probe = self.planner.budget.probe
-        peak = probe.peak() if probe is not None else None
-        return next((held for at, held in self._evictions if at == peak), self.residents.bytes())
 
     def _evict_param(self, bucket, i: int) -> None:
         if len(self.residents):
@@ -493,7 +475,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._refuse_edited_grads()
             self._step(self._has_grad())
         finally:
-            self._evictions.clear()  # the next step measures from here
+            self.planner.budget.new_step()
             if self.grad_stream is not None:
                 self.grad_stream.reset()
         return loss
@@ -507,18 +489,19 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
-        plan = self.planner.refresh(self._held_at_peak())
+        plan = self.planner.refresh(self.planner.budget.held_at_peak(self.residents.bytes()))
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
             plan = streamed_for
+        # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
-        for sg, place in zip(self.layout.subgroups, plan.placements):
+        for sg, place in zip(self.layout.subgroups, self._ran):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
-            if runs:  # a subgroup whose gradients went down during backward takes the CPU path
-                jobs.append(Job(sg, Placement.CPU if sg.index in landed else place, hyper[sg.group_index], runs=runs))
+            if runs:
+                jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
         if self.overlapper is not None:
             self._start_update(jobs, multipliers, max(plan.slots, 1), landed, has_grad)
             return

@@ -40,9 +40,13 @@ def pack(opt: "DeepOptimizerStates") -> dict:
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups, "dos": dos_entry(opt)}
+
+
+def dos_entry(opt: "DeepOptimizerStates") -> dict:
+    """Ours beyond torch's layout: the format version, the loss scaler, the skipped steps."""
     scaler = opt.scaler.state_dict() if opt.scaler is not None else None
-    return {"state": state, "param_groups": groups,
-            "dos": {"version": FORMAT_VERSION, "loss_scaler": scaler, "skipped_steps": opt.skipped_steps}}
+    return {"version": FORMAT_VERSION, "loss_scaler": scaler, "skipped_steps": opt.skipped_steps}
 
 
 def _like(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +118,11 @@ def check(opt: "DeepOptimizerStates", sd: dict) -> None:
             entry = state.get(idx, state.get(str(idx)))
             if entry and id(p) in opt.layout.where:  # {} (a param without a step yet): no state, as torch
                 _check_entry(idx, entry, p)
-    dos = sd.get("dos") or {}
+    check_dos(sd.get("dos") or {})
+
+
+def check_dos(dos) -> None:
+    """Raise ValueError if ``dos`` (a state_dict's ``dos`` entry) is not one this code can load."""
     if not isinstance(dos, Mapping):
         raise ValueError(f"state_dict['dos'] is {type(dos).__name__}, not our entry: the state_dict is corrupt")
     version = dos.get("version", FORMAT_VERSION)
@@ -169,7 +177,11 @@ def load(opt: "DeepOptimizerStates", sd: dict) -> None:
     opt.layout.record_writes()
     opt.layout.recheck(loaded)
     opt._expose_state()
-    dos = sd.get("dos") or {}
+    load_dos(opt, sd.get("dos") or {})
+
+
+def load_dos(opt: "DeepOptimizerStates", dos: Mapping) -> None:
+    """The loss scaler and skipped steps of a ``dos`` entry that ``check_dos`` passed."""
     if dos.get("loss_scaler") is not None and opt.scaler is not None:
         opt.scaler.load_state_dict(dos["loss_scaler"])
     if "skipped_steps" in dos:

@@ -60,7 +60,6 @@ class ParamState(dict):
         raise RuntimeError(RESET_MESSAGE)
 
 
-
 class HostState(dict):
     """``opt.state``: reading an entry first makes it current (``on_read(param)``; ``on_read(None)`` for
     all params), so a resident subgroup's states are evicted to the host before anyone sees them. Every

@@ -186,7 +186,7 @@ class Layout:
         self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
         self.shapes = {id(p): tuple(local(p).shape) for b in self.buckets for p in b.params}
         self.where = {id(p): (b, i) for b in self.buckets for i, p in enumerate(b.params)}
-        self._seen: dict[int, tuple[int, int] | None] = {}
+        self._seen: dict[int, tuple[int, int]] = {}
         self._pending: set[int] = set()  # ids of params whose loaded master waits for the next step (recheck)
         self.before_host_write = None  # (bucket, i) -> None: called before an edit is written to a master
         with torch.no_grad():
@@ -231,8 +231,7 @@ class Layout:
         state_dict)."""
         for b in self.buckets:
             for p in b.params:
-                if id(p) not in self._pending:
-                    self._note(p)
+                self._note(p)
         self._norms = self._param_norms()
 
     def recheck(self, params: list[torch.Tensor]) -> None:
@@ -240,9 +239,7 @@ class Layout:
         its master if the param holds that master rounded (the weights of the same checkpoint, loaded before
         or after), else takes the param's value (other weights: the model's, as torch's AdamW would use).
         Reads before that step (``master``, ``state_dict``) see the loaded master and settle nothing."""
-        for p in params:
-            self._seen[id(p)] = None
-            self._pending.add(id(p))
+        self._pending.update(id(p) for p in params)
 
     @torch.no_grad()
     def take_edits(self, settle: bool = True) -> list[str]:
@@ -260,12 +257,12 @@ class Layout:
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 t = local(p)
-                if id(p) in self._pending:
-                    if not settle:  # a loaded master: the step decides (recheck)
-                        k += 1
-                        continue
-                    self._pending.discard(id(p))
-                if moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
+                loaded = id(p) in self._pending
+                if loaded and not settle:  # a loaded master: the step decides (recheck)
+                    k += 1
+                    continue
+                self._pending.discard(id(p))
+                if loaded or moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
                     if self.before_host_write is not None:
                         self.before_host_write(b, i)  # a resident's states back on the host first
                     if self._rounds_to(b, i, t):

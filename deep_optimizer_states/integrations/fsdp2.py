@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from ..checkpoint import (FORMAT, FORMAT_VERSION, MANIFEST, CheckpointError, _check_files, _check_loadable,
                           _cpu_copy, _fsync_dir, _load_payload, _prune, _sha256, _write_bytes, _write_payload,
                           check_save_args, new_checkpoint_paths, read_manifest)
+from .. import state_io
 from ..optimizer import DeepOptimizerStates
 
 SHARDS = "dcp"  # the sub-directory DCP writes into
@@ -59,10 +60,7 @@ def _all_states(optimizer: torch.optim.Optimizer):
 
 
 def _optimizer_extra(optimizer: torch.optim.Optimizer) -> dict | None:
-    if not isinstance(optimizer, DeepOptimizerStates):
-        return None
-    scaler = optimizer.scaler.state_dict() if optimizer.scaler is not None else None
-    return {"loss_scaler": scaler, "skipped_steps": optimizer.skipped_steps}
+    return state_io.dos_entry(optimizer) if isinstance(optimizer, DeepOptimizerStates) else None
 
 
 def save_sharded_checkpoint(directory: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -139,14 +137,18 @@ def load_sharded_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer
     if problem:
         raise CheckpointError(problem)
     files = manifest["files"]
+    ours = None
+    if OPTIMIZER_EXTRA in files and isinstance(optimizer, DeepOptimizerStates):
+        ours = _load_payload(path / OPTIMIZER_EXTRA, files[OPTIMIZER_EXTRA], "cpu")
+        try:  # every rank reads the same file: all refuse, before anything is loaded, or none does
+            state_io.check_dos(ours)
+        except ValueError as e:
+            raise CheckpointError(f"{path / OPTIMIZER_EXTRA}: {e}") from None
     with _all_states(optimizer):
         state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
         dcp.load(state, checkpoint_id=str(path / SHARDS))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, optimizer, state["optimizer"])
-    if OPTIMIZER_EXTRA in files and isinstance(optimizer, DeepOptimizerStates):
-        ours = _load_payload(path / OPTIMIZER_EXTRA, files[OPTIMIZER_EXTRA], "cpu")
-        if optimizer.scaler is not None and ours["loss_scaler"] is not None:
-            optimizer.scaler.load_state_dict(ours["loss_scaler"])
-        optimizer.skipped_steps = int(ours["skipped_steps"])
+    if ours is not None:
+        state_io.load_dos(optimizer, ours)
     return _load_payload(path / EXTRA, files[EXTRA], "cpu") if EXTRA in files else {}

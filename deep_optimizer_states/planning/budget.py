@@ -89,6 +89,7 @@ class MemoryBudget:
         self.probe = probe
         self.need: int | None = None  # bytes forward + backward needed beside our residents (None: not seen)
         self._peak_seen = 0
+        self._evictions: list[tuple[int, int]] = []  # since the last step: (allocator peak, resident bytes before)
 
     @property
     def active(self) -> bool:
@@ -115,6 +116,23 @@ class MemoryBudget:
             seen = max(0, peak - resident_bytes)
             self.need = seen if self.need is None else max(self.need, seen)
         self._peak_seen = peak
+
+    def note_eviction(self, held: int) -> None:
+        """Residents are about to leave between steps, ``held`` bytes of them held until now."""
+        if self.active:
+            self._evictions.append((self.probe.peak(), held))
+
+    def held_at_peak(self, held_now: int) -> int:
+        """The resident bytes held when the allocator reached its peak since the last step: those held
+        before the first eviction after which the peak has not moved (an eviction after backward, by an edit
+        or a state read, must not count the evicted states as the model's), else ``held_now`` (the peak came
+        after every eviction, or there was none)."""
+        peak = self.probe.peak() if self.active else None
+        return next((held for at, held in self._evictions if at == peak), held_now)
+
+    def new_step(self) -> None:
+        """A step is over (taken or skipped): evictions from here on belong to the next one."""
+        self._evictions.clear()
 
     def after_update(self) -> None:
         """The update's own transients (slots, scratch) may have raised the peak: that is not the model's."""
