@@ -142,7 +142,7 @@ def _gathered(value: float) -> list[float]:
 
 
 def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq: int,
-        sweep: list[str | int] = ()) -> dict:
+        sweep: list[str] = ()) -> dict:
     world = dist.get_world_size()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     torch.cuda.set_device(device)
@@ -198,13 +198,21 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
                    aggregate_update_Gparams_per_s=round(params / update_s / 1e9, 3), losses=list(losses),
                    peak_gpu_GB_per_rank=round(max(peak), 2), **info)
         row["sweep"] = {}
-        for schedule in sweep:  # the same job, other fixed schedules: where "offload" stands among them
-            opt.schedule = schedule
-            start = len(phases)
+        for entry in sweep:  # the same job, other schedules (and CPU threads): where the chosen one stands
+            schedule, _, threads = str(entry).partition("@")
+            opt.schedule = int(schedule) if schedule.isdigit() else schedule
+            if threads:
+                opt.engine.set_cpu_threads(int(threads))
+            updates = []
             for _ in range(3):
                 iteration()
-            row["sweep"][str(schedule)] = {"step_s": round(statistics.median(p[2] for p in phases[start + 1:]), 4),
-                                           "staged_subgroups": opt.last_update.staged_subgroups}
+                opt.synchronize()
+                updates.append(opt.last_update.seconds)
+            row["sweep"][str(entry)] = {"update_s": round(statistics.median(updates[1:]), 4),
+                                        "staged_subgroups": opt.last_update.staged_subgroups,
+                                        "cpu_threads": opt.engine.cpu_threads(),
+                                        "predicted_update_s": opt.plan.prediction and
+                                        round(opt.plan.prediction.seconds, 4)}
     except Exception as e:  # a system that cannot run is a result too
         import traceback
 
@@ -224,9 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--slots", type=int, default=2, help="ours: staging_slots")
-    parser.add_argument("--sweep", default="", help="ours: fixed schedules to time after the run, e.g. cpu,gpu,2,3")
+    parser.add_argument("--sweep", default="", help="ours: schedules to time after the run, each with the CPU "
+                        "path's threads after @ if given, e.g. cpu,gpu,3,3@8,offload@4")
     args = parser.parse_args(argv)
-    sweep = [int(t) if t.isdigit() else t for t in args.sweep.split(",") if t]
+    sweep = [t for t in args.sweep.split(",") if t]
     global STAGING_SLOTS
     STAGING_SLOTS = args.slots
     dist.init_process_group("nccl")

@@ -53,10 +53,13 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 
 
 def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
-         spare_cores: int = 0, checkpointing: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+         spare_cores: int = 0, checkpointing: bool = False,
+         path_threads: int | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
-    checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need."""
+    checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
+    ``path_threads`` runs the CPU path's AdamW on that many threads after planning (the plan is unchanged:
+    does a throttled CPU leave the staged copies more host memory bandwidth?)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
@@ -65,6 +68,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
                                   stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,
                                   cpu_threads=threads)
+        if path_threads:
+            opt.engine.set_cpu_threads(path_threads)
 
         history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update
 
@@ -108,6 +113,7 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
                        f"max_grad_norm={max_grad_norm}, cpu_threads={threads}), "
+                       + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host")
     return build
@@ -220,6 +226,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap": ours("offload", stream_grads=True, overlap=True),
     "ours_offload_clip": ours("offload", max_grad_norm=CLIP),
     "ours_offload_overlap_clip": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP),
+    "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
+    "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),
     "ours_offload_overlap_clip_spare": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP,
                                             spare_cores=1),

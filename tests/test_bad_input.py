@@ -168,3 +168,22 @@ def test_a_param_reshaped_after_construction_is_refused():
     model.weight.grad = torch.ones_like(model.weight)
     with pytest.raises(RuntimeError, match="shape changed"):
         opt.step()
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, True, "4"])
+def test_bad_cpu_path_thread_counts_are_refused(threads):
+    from deep_optimizer_states.core.engine import Engine
+
+    with pytest.raises(ValueError, match="threads must be an int >= 1"):
+        Engine(torch.device("cpu")).set_cpu_threads(threads)
+
+
+def test_cpu_path_threads_without_a_gpu_are_the_callers():
+    from deep_optimizer_states.core.engine import Engine
+
+    engine, before = Engine(torch.device("cpu")), torch.get_num_threads()
+    try:
+        engine.set_cpu_threads(1)
+        assert engine.cpu_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

@@ -164,6 +164,23 @@ class Engine:
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
         self._cpu_spans: list[tuple[float, float, str]] = []
 
+    def set_cpu_threads(self, threads: int) -> None:
+        """Threads of the CPU path's AdamW from now on. With a GPU it runs on the engine's worker thread,
+        whose count is its own (torch keeps one per thread): the caller's is left as it is. Fewer threads
+        leave more host memory bandwidth to the staged subgroups' copies that run at the same time."""
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        if self._worker is None:
+            torch.set_num_threads(threads)
+        else:
+            self._worker.submit(torch.set_num_threads, threads).result()
+
+    def cpu_threads(self) -> int:
+        """Threads the CPU path's AdamW runs on (the worker's own count, with a GPU)."""
+        if self._worker is None:
+            return torch.get_num_threads()
+        return self._worker.submit(torch.get_num_threads).result()
+
     def close(self) -> None:
         """Stop the CPU worker thread (the optimizer is being closed)."""
         if self._worker is not None:

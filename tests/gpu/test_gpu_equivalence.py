@@ -110,3 +110,17 @@ def test_gpu_checkpoint_resume_is_bit_identical(tmp_path):
     straight = run(10, save=path)
     resumed = run(5, load=path)
     assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters()))
+
+
+def test_cpu_path_threads_are_the_workers_own_and_the_result_stays_exact():
+    """set_cpu_threads changes the worker's thread count only (the caller's stays), and an update on fewer
+    threads still equals torch's AdamW."""
+    seed = _seed()
+    model = mlp(torch.bfloat16, "cuda", seed=seed)
+    size = sum(p.numel() for p in model.parameters()) // 6
+    opt = DeepOptimizerStates(model, lr=3e-3, weight_decay=0.1, subgroup_size=size, schedule=2)
+    caller = torch.get_num_threads()
+    opt.engine.set_cpu_threads(1)
+    assert opt.engine.cpu_threads() == 1
+    assert torch.get_num_threads() == caller
+    train_and_compare(model, opt, steps=10, seed=seed)
