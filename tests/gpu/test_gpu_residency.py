@@ -87,10 +87,12 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     numel = sum(p.numel() for p in model.parameters())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    with DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="cpu", max_grad_norm=1.0) as opt:
+    # "offload": a modelled schedule, so the optimizer measures the need (a fixed one never plans by it)
+    with DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="offload", max_grad_norm=1.0) as opt:
         ref = ReferenceAdamW(opt)
         _train(model, opt, ref, seed, steps=3)  # what forward + backward + the reference take
         need = opt.memory()["gpu_need_bytes"]  # as the optimizer measures it (the update's transients apart)
+    assert need, "the optimizer measured no need for forward + backward"
     del model, opt, ref
     model = _stack(seed)
     update_buffers = (16 * DEFAULT_STAGING_SLOTS + 8 + 4) * 1_000_000  # slots, the CPU path's and residents' scratch
