@@ -255,3 +255,28 @@ def test_a_failed_pinning_fallback_unregisters_the_buffers_registered_before(mon
 
     gc.collect()
     assert sorted(unregistered) == sorted(registered[:1] + registered[2:])
+
+
+def test_an_optimizer_dropped_without_close_does_not_block_the_next_one(monkeypatch):
+    """An optimizer dropped without close() keeps its pinned buffers until the garbage collector frees its
+    reference cycles; the next one's capacity check collects first instead of failing for that memory."""
+    import gc
+    import weakref
+
+    from deep_optimizer_states import DeepOptimizerStates
+    from tests.harness import mlp
+
+    gc.disable()  # the test decides when the collector runs
+    try:
+        opt = DeepOptimizerStates(mlp(torch.float32, "cpu", seed=1), lr=1e-3)
+        dropped = weakref.ref(opt)
+        del opt
+        assert dropped() is not None  # held by its own reference cycles: the premise of the test
+        monkeypatch.setattr(hm, "available_host_bytes", lambda: 10**12 if dropped() is None else 0)
+        DeepOptimizerStates(mlp(torch.float32, "cpu", seed=2), lr=1e-3).close()
+        assert dropped() is None
+        with pytest.raises(MemoryError, match="not enough host memory"):  # short for real: still refused
+            monkeypatch.setattr(hm, "available_host_bytes", lambda: 0)
+            DeepOptimizerStates(mlp(torch.float32, "cpu", seed=3), lr=1e-3)
+    finally:
+        gc.enable()

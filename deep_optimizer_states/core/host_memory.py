@@ -15,6 +15,7 @@ buffers in parallel (``parallel_chunks``), e.g. copying the fp32 masters in.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -91,9 +92,15 @@ def available_host_bytes() -> int | None:
 def check_host_capacity(needed_bytes: int, what: str) -> int | None:
     """Raise MemoryError before allocating when the host cannot hold ``needed_bytes``.
 
-    Returns the available bytes (None when unknown), so callers can report both numbers.
+    Returns the available bytes (None when unknown), so callers can report both numbers. When short, a
+    garbage collection runs first and the reading is taken again: an optimizer dropped without ``close()``
+    keeps its pinned buffers until the collector frees its reference cycles, and a new one built in its
+    place must not fail for memory that is no longer used.
     """
     available = available_host_bytes()
+    if available is not None and needed_bytes > available:
+        gc.collect()
+        available = available_host_bytes()
     if available is not None and needed_bytes > available:
         raise MemoryError(
             f"not enough host memory for {what}: {format_bytes(needed_bytes)} needed, "
