@@ -9,6 +9,7 @@ Systems, each with every optimizer state on the host:
   ours_auto       the same with schedule="auto": states that fit in the GPU memory stay resident there
   ours_stream     "ours" with stream_grads=True: the CPU path's gradient shards go to the host during backward
   ours_overlap    "ours_stream" with overlap=True: the update runs on beside the next forward's all-gathers
+  ours_prefetch   "ours_overlap" with prefetch=True: staged subgroups' states come in during backward
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -44,7 +45,7 @@ STAGING_SLOTS = 2  # --slots
 
 
 def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload", stream: bool = False,
-          overlap: bool = False):
+          overlap: bool = False, prefetch: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
@@ -54,7 +55,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
         fully_shard(layer)
     fully_shard(model)
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS,
-                              stream_grads=stream, overlap=overlap)
+                              stream_grads=stream, overlap=overlap, prefetch=prefetch)
 
     def extra() -> dict:
         opt.synchronize()
@@ -64,12 +65,12 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
                 "predicted_update_s": plan.prediction and round(plan.prediction.seconds, 4),
                 "rates": opt.planner.known_rates() and opt.planner.known_rates().as_dict(),
                 "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads(),
-                "staging_slots": opt.plan.slots}
+                "staging_slots": opt.plan.slots, "prefetched": u.prefetched}
 
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
-                f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream}, overlap={overlap}) over each rank's "
-                f"shards, {where}")
+                f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream}, overlap={overlap}, "
+                f"prefetch={prefetch}) over each rank's shards, {where}")
     return model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt, extra, settings
 
 
@@ -83,6 +84,10 @@ def _ours_stream(preset: str, device: torch.device, micro_batch: int):
 
 def _ours_overlap(preset: str, device: torch.device, micro_batch: int):
     return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True)
+
+
+def _ours_prefetch(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, prefetch=True)
 
 
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
@@ -122,7 +127,7 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
 
 
 SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "ours_stream": _ours_stream, "ours_overlap": _ours_overlap,
-           "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
+           "ours_prefetch": _ours_prefetch, "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
 
 
 def _phase(device: torch.device, fn):

@@ -18,8 +18,9 @@ from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norm
 from .core.grad_stream import GradStream
 from .core.host_state import RESET_MESSAGE, HostState, ParamState
 from .core.lanes import current_point
-from .core.layout import Layout, local
+from .core.layout import Layout, Subgroup, local
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
+from .core.prefetch import Prefetch
 from .core.residency import Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule, validate_schedule
@@ -88,6 +89,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         gpu_memory_budget: int | float | None = None,
         stream_grads: bool = False,
         overlap: bool = False,
+        prefetch: bool = False,
         model: nn.Module | None = None,
         cpu_threads: int | None = None,
         device: str | torch.device | None = None,
@@ -140,6 +142,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
         if not isinstance(overlap, bool):
             raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        if prefetch and not stream_grads:
+            raise ValueError("prefetch=True needs stream_grads=True: the copies start from its gradient hooks in "
+                             "backward")
         if overlap and self.module is None:
             raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
                              "pass the model itself as the first argument, or as model= beside param groups")
@@ -151,6 +158,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.layout.before_host_write = self._evict_param
         self.engine = Engine(self.device)
         self.residents = Residents(self.device)
+        self.prefetch = Prefetch(self.device) if prefetch else None
+        self._order_ahead: list | None = None  # this step's staged subgroups, in the order the update takes them
         self.residents.before_evict = lambda held: self.planner.budget.note_eviction(held)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
@@ -159,6 +168,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, lambda i: self.plan.placements[i] is Placement.CPU)
                             if stream_grads else None)
+        if self.prefetch is not None:
+            self.grad_stream.after_grad = self._fill_ahead
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
@@ -335,9 +346,16 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     # ---- resident states ----------------------------------------------------------------------------
     def _make_current(self, p: torch.Tensor | None) -> None:
         """Before the host copy of ``p``'s states (all params' for None) is read or written: the update left
-        running ends, and its resident subgroups are evicted."""
+        running ends, its resident subgroups are evicted, and copies taken ahead are dropped (a view read
+        may be written in place)."""
         self.synchronize()
-        if self.layout is None or not len(self.residents):
+        if self.layout is None:
+            return
+        if p is None:
+            self._drop_ahead()
+        elif id(p) in self.layout.where:
+            self._drop_ahead(self.layout.subgroups_of(*self.layout.where[id(p)]))
+        if not len(self.residents):
             return
         if p is None:
             self.residents.evict()
@@ -363,8 +381,37 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.layout.record_writes()
 
     def _evict_param(self, bucket, i: int) -> None:
+        self._drop_ahead(self.layout.subgroups_of(bucket, i))  # a master is about to be written
         if len(self.residents):
             self.residents.evict(only={sg.index for sg in self.layout.subgroups_of(bucket, i)})
+
+    # ---- states staged ahead ------------------------------------------------------------------------
+    def _fill_ahead(self) -> None:
+        """From a final gradient's hook in backward (``prefetch=True``): copy the plan's staged subgroups'
+        states into slots of their own while the budget allows, in the order the update will take them."""
+        if self.overlapper is not None and self.overlapper.busy and not self.overlapper.finished:
+            return  # the last update may still be writing these host states
+        if self._order_ahead is None:
+            staged = [sg for sg, place in zip(self.layout.subgroups, self.plan.placements)
+                      if place is Placement.STAGED and sg not in self.residents]
+            last = len(self._need_order)
+            self._order_ahead = sorted(staged, key=lambda sg: self._need_order.get(sg.index, last))
+        if not self.prefetch.pending(self._order_ahead):
+            return
+        budget = self.planner.budget
+        if not self.prefetch.ready and budget.active and budget.need is not None:
+            budget.observe(budget.held_at_peak(self.residents.bytes()))  # the first this step: forward's need
+        room = self.planner.room_ahead(self.residents.bytes(), self.prefetch.bytes())
+        if room > 0:
+            self.prefetch.top_up(self._order_ahead, room)
+
+    def _drop_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
+        """Forget the slots filled ahead (of ``subgroups``, else all): the host copy may change, or the step
+        does not take them."""
+        if getattr(self, "prefetch", None) is None:
+            return
+        if self.prefetch.drop(None if subgroups is None else {sg.index for sg in subgroups}):
+            self.planner.after_update()  # their memory raised the peak, not forward or backward
 
     def release_gpu_memory(self) -> None:
         """Move every resident state back to pinned host memory now (before a forward that needs more GPU
@@ -478,6 +525,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.planner.budget.new_step()
             if self.grad_stream is not None:
                 self.grad_stream.reset()
+            self._drop_ahead()  # those the update did not take: a skipped step's (the next backward refills)
+            if self.prefetch is not None:
+                self.prefetch.restart()
+            self._order_ahead = None
         return loss
 
     def _step(self, has_grad: list[list[bool]]) -> None:
@@ -489,6 +540,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
+        if self.prefetch is not None and self.prefetch.ready:
+            self.planner.after_update()  # the slots filled ahead raised the allocator's peak, not backward
         plan = self.planner.refresh(self.planner.budget.held_at_peak(self.residents.bytes()))
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
@@ -502,11 +555,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
             if runs:
                 jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
+        ahead = self.prefetch.take() if self.prefetch is not None else None
         if self.overlapper is not None:
-            self._start_update(jobs, multipliers, max(plan.slots, 1), landed, has_grad)
+            self._start_update(jobs, multipliers, max(plan.slots, 1), landed, has_grad, ahead)
             return
         try:
-            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed)
+            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed,
+                                                  ahead=ahead)
         except BaseException as err:
             self._failed = err
             raise
@@ -521,7 +576,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._expose_state()
 
     def _start_update(self, jobs: list[Job], multipliers: list[torch.Tensor], slots: int, landed: dict,
-                      has_grad: list[list[bool]]) -> None:
+                      has_grad: list[list[bool]], ahead: dict | None = None) -> None:
         """Leave the update running (``overlap=True``): it reads this step's gradients (held here, so that
         zero_grad and the next backward may replace them) after the point where they are complete, and lets
         go of each as soon as the subgroups holding it have read it."""
@@ -535,7 +590,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         def update() -> UpdateStats:  # touches no param's .grad: the next backward may be writing them
             try:
                 return self.engine.update(jobs, multipliers, slots, self.residents, landed, ready=ready,
-                                          grads=grads, on_written=self.overlapper.written)
+                                          grads=grads, on_written=self.overlapper.written, ahead=ahead)
             finally:  # the params as we left them, here: an edit made after the update ended is the user's
                 self.layout.record_writes()
 
@@ -703,6 +758,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 self.grad_stream.close()
             if self._hook is not None:
                 self._hook.remove()
+            self._drop_ahead()
             self.residents = Residents(self.device)  # the GPU states go with the optimizer
             dict.clear(self.state)
             self.layout = None

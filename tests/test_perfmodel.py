@@ -220,11 +220,11 @@ def _cuda_planner(monkeypatch, sizes, rates):
     return planner
 
 
-def _telemetry(places, cpu_adam_seconds, seconds=1.0):
+def _telemetry(places, cpu_adam_seconds, seconds=1.0, prefetched=0):
     """What the planner reads of an update that ran ``places``."""
     staged = places.count(Placement.STAGED)
     return SimpleNamespace(seconds=seconds, cpu_adam_seconds=cpu_adam_seconds, staged_subgroups=staged,
-                           cpu_subgroups=len(places) - staged)
+                           cpu_subgroups=len(places) - staged, prefetched=prefetched)
 
 
 def _run(planner, sizes, truth, updates=5):
@@ -294,6 +294,21 @@ def test_updates_run_beside_forward_and_backward_teach_nothing(monkeypatch):
             planner.observe(_telemetry(planner.current.placements, real.cpu_s, real.seconds), overlapped=flag)
     assert overlapped.factors == {"cpu_engine": 1.0, "cpu_contended": 1.0, "link_contended": 1.0}
     assert synchronous.factors["cpu_engine"] == pytest.approx(0.5)
+
+
+def test_updates_whose_staged_states_came_in_during_backward_teach_nothing(monkeypatch):
+    """With ``prefetch`` some staged subgroups skip their way in inside the update, which the model prices:
+    their updates look faster than the rates are; the same telemetry without them refines the rate."""
+    sizes = equal(16)
+    truth = replace(H200_LIKE, link_contended=0.5 * H200_LIKE.link_contended)
+    prefetched, plain = (_cuda_planner(monkeypatch, sizes, H200_LIKE) for _ in range(2))
+    for planner, filled in ((prefetched, 3), (plain, 0)):
+        planner.plan(2)
+        for _ in range(5):
+            real = predict(sizes, planner.current.placements, truth, 2)
+            planner.observe(_telemetry(planner.current.placements, real.cpu_s, real.seconds, prefetched=filled))
+    assert prefetched.factors == {"cpu_engine": 1.0, "cpu_contended": 1.0, "link_contended": 1.0}
+    assert plain.factors != prefetched.factors
 
 
 def _link_bound(sizes, r):
@@ -391,5 +406,5 @@ def test_link_rate_is_not_learned_from_updates_with_residents(monkeypatch):
         real = predict(sizes, places, H200_LIKE, 2)
         planner.observe(SimpleNamespace(seconds=real.seconds + 0.015, cpu_adam_seconds=real.cpu_s,
                                         staged_subgroups=places.count(Placement.STAGED),
-                                        cpu_subgroups=places.count(Placement.CPU)))
+                                        cpu_subgroups=places.count(Placement.CPU), prefetched=0))
     assert planner.factors["link_contended"] == 1.0

@@ -154,3 +154,7 @@ def test_stream_grads_and_overlap_train_the_same_curve(tmp_path):
     dos("train", *common, "--overlap", "--summary-json", str(tmp_path / "overlap.json"), cache=tmp_path)
     overlap = json.loads((tmp_path / "overlap.json").read_text())
     assert overlap["losses"] == plain["losses"] and overlap["final_eval_loss"] == plain["final_eval_loss"]
+    dos("train", *common, "--stream-grads", "--prefetch", "--summary-json", str(tmp_path / "prefetch.json"),
+        cache=tmp_path)  # no GPU memory to fill here: the flag reaches the optimizer, the curve stays
+    prefetch = json.loads((tmp_path / "prefetch.json").read_text())
+    assert prefetch["losses"] == plain["losses"]

@@ -5,7 +5,8 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
   CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
                [params_up]  fp32 master -> GPU scratch -> cast into the model's param
-  staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot
+  staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot (or nothing: the
+                            states came in during backward, ``prefetch.py``)
                [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
                [stage_out]  slot -> host master/exp_avg/exp_avg_sq, then the slot is free again
   resident:    [stage_in]   only when just admitted: host states -> its GPU states (kept across steps)
@@ -34,6 +35,7 @@ import torch
 from .adam import AdamHyper, adam_update
 from .lanes import Lane, Done, current_point
 from .layout import Subgroup
+from .prefetch import Ahead
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
 
@@ -86,6 +88,7 @@ class UpdateStats:
     timeline: list[dict] | None = None  # with Engine.trace: every block of work, {lane, start, end, label}
     params_written_s: float | None = None  # overlap: from the update's start until every param write was enqueued
     forward_wait_s: float | None = None  # overlap: how long the caller was blocked waiting for those writes
+    prefetched: int = 0  # staged subgroups whose states came in during backward (their slots filled ahead)
 
 
 class _Slot:
@@ -189,15 +192,18 @@ class Engine:
 
     def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = DEFAULT_STAGING_SLOTS,
                residents: Residents | None = None, landed: dict | None = None, ready=None, grads: dict | None = None,
-               on_written: Callable[[int, object], None] | None = None) -> UpdateStats:
+               on_written: Callable[[int, object], None] | None = None,
+               ahead: dict[int, Ahead] | None = None) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and states are all updated (a resident
         subgroup's states on the GPU, the others' on the host). ``landed``: CPU subgroups whose unscaled fp32
         gradients were streamed to the host during backward (subgroup index -> event); the multipliers are
         applied to them on the host. For an update run on another thread (``overlap``): ``ready``, the event
         after which the gradients are complete (recorded by the caller), ``grads``, the gradients by
-        id(param), and ``on_written(index, event)``, told as each subgroup's params are written."""
+        id(param), and ``on_written(index, event)``, told as each subgroup's params are written. ``ahead``:
+        staged subgroups whose states are already in slots of their own (subgroup index -> ``Ahead``), held
+        here until every stream is done with them."""
         residents = residents if residents is not None else Residents(self.device)
-        landed = landed or {}
+        landed, ahead = landed or {}, ahead or {}
         self._on_written = on_written or _ignore
         if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
             torch.cuda.synchronize(self.device)
@@ -212,7 +218,7 @@ class Engine:
             lane.wait(ready)
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
-        jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed)
+        jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
         feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers, landed,
                          grads)
         on_host = [m.to("cpu") for m in multipliers] if landed else []
@@ -222,8 +228,14 @@ class Engine:
                        for i, job in enumerate(feed.jobs)]
             for job in (j for j in jobs if j.placement is Placement.RESIDENT):
                 self._update_resident(job, residents, job.subgroup.index in fresh, scratch, multipliers, grads)
-            for n, job in enumerate(j for j in jobs if j.placement is Placement.STAGED):
-                self._update_staged(job, slots[n % len(slots)], multipliers, grads)
+            turn = 0
+            for job in (j for j in jobs if j.placement is Placement.STAGED):
+                filled = ahead.get(job.subgroup.index)
+                if filled is None:
+                    self._update_staged(job, slots[turn % len(slots)], multipliers, grads)
+                    turn += 1
+                else:
+                    self._update_staged(job, None, multipliers, grads, filled)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
             wait(pending)
             for lane in self.lanes.values():
@@ -239,6 +251,7 @@ class Engine:
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
         stats.admitted, stats.timeline = len(fresh), timeline
+        stats.prefetched = sum(j.placement is Placement.STAGED and j.subgroup.index in ahead for j in jobs)
         stats.fallbacks = fallbacks + staged_planned - stats.staged_subgroups
         return stats
 
@@ -263,10 +276,10 @@ class Engine:
         blocks += [("cpu_adam", a - start, b - start, label) for a, b, label in self._cpu_spans]
         return [{"lane": lane, "start": a, "end": b, "label": label} for lane, a, b, label in blocks]
 
-    def _buffers(self, jobs: list[Job], count: int, landed: dict):
-        """Staging slots, the CPU path's scratch and the residents' fp32 gradient buffer; staged jobs fall
-        back to the CPU without memory for their slots."""
-        staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED]
+    def _buffers(self, jobs: list[Job], count: int, landed: dict, ahead: dict):
+        """Staging slots (for the staged jobs without a slot filled ahead), the CPU path's scratch and the
+        residents' fp32 gradient buffer; those staged jobs fall back to the CPU without memory for slots."""
+        staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index not in ahead]
         slots = []
         if staged:
             try:
@@ -275,8 +288,8 @@ class Engine:
                 if not self._warned_fallback:
                     warnings.warn("not enough GPU memory for the staging slots: updating those subgroups on the CPU")
                     self._warned_fallback = True
-                jobs = [dataclasses.replace(j, placement=Placement.CPU) if j.placement is Placement.STAGED else j
-                        for j in jobs]
+                jobs = [dataclasses.replace(j, placement=Placement.CPU)
+                        if j.placement is Placement.STAGED and j.subgroup.index not in ahead else j for j in jobs]
         on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
         to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
         cuda = self.device.type == "cuda"
@@ -324,15 +337,21 @@ class Engine:
             _params_from(p, sg, None)
         self._on_written(sg.index, self.resident.record())
 
-    def _update_staged(self, job: Job, slot: _Slot, multipliers, grads: dict | None) -> None:
+    def _update_staged(self, job: Job, slot: _Slot | None, multipliers, grads: dict | None,
+                       filled: Ahead | None = None) -> None:
+        """Through ``slot`` (its way in first), or through a slot ``filled`` ahead (only its event awaited)."""
         sg = job.subgroup
         n = sg.numel
-        p, g, m, v = slot.p[:n], slot.g[:n], slot.m[:n], slot.v[:n]
-        self.stage_in.wait(slot.free)
-        with self.stage_in.run(f"sg{sg.index}"):
-            for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
-                dst.copy_(src, non_blocking=True)
-        self.gpu.wait(self.stage_in.record())
+        if filled is None:
+            p, g, m, v = slot.p[:n], slot.g[:n], slot.m[:n], slot.v[:n]
+            self.stage_in.wait(slot.free)
+            with self.stage_in.run(f"sg{sg.index}"):
+                for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
+                    dst.copy_(src, non_blocking=True)
+            self.gpu.wait(self.stage_in.record())
+        else:
+            p, g, m, v = filled.p, filled.g, filled.m, filled.v
+            self.gpu.wait(filled.loaded)
         with self.gpu.run(f"sg{sg.index}"):
             _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
@@ -343,7 +362,8 @@ class Engine:
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):
                 dst.copy_(src, non_blocking=True)
-        slot.free = self.stage_out.record()
+        if slot is not None:
+            slot.free = self.stage_out.record()
 
     @staticmethod
     def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float],

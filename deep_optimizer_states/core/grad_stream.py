@@ -38,6 +38,7 @@ class GradStream:
         self._biggest = max((sg.numel for sg in layout.subgroups), default=0)
         self._buffer: torch.Tensor | None = None
         self.sent = 0  # subgroups sent down since the optimizer was built (telemetry)
+        self.after_grad: Callable[[], None] | None = None  # told after each final gradient (prefetch fills)
         self._ref = weakref.ref(self)
         hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
         params = [p for b in layout.buckets for p in b.params]
@@ -93,6 +94,8 @@ class GradStream:
         for q in {id(q): q for sg in done for q in (sg.bucket.params[pc.i] for pc in sg.pieces)}.values():
             self._give_back(q)
         self._give_back(p)
+        if self.after_grad is not None:
+            self.after_grad()
 
     def _give_back(self, p: torch.Tensor) -> None:
         """Free ``p``'s gradient once it is final and every subgroup holding it has gone down."""

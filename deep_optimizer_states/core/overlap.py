@@ -83,6 +83,11 @@ class UpdateInFlight:
         """Whether an update was started and not joined yet."""
         return self._future is not None
 
+    @property
+    def finished(self) -> bool:
+        """Whether the update started has ended (its host states final), joined or not."""
+        return self._future is None or self._future.done()
+
     def start(self, update: Callable[[], object], subgroups: Iterable[int]) -> None:
         """Run ``update`` in the background; ``subgroups`` are those it will write (forward waits for them)."""
         assert self._future is None, "join the running update first"

@@ -135,7 +135,8 @@ class MemoryBudget:
         self._evictions.clear()
 
     def after_update(self) -> None:
-        """The update's own transients (slots, scratch) may have raised the peak: that is not the model's."""
+        """Our own transients (the update's slots and scratch, slots filled ahead of it) may have raised the
+        peak: that is not the model's."""
         self._peak_seen = self.probe.peak()
 
     def resident_room(self) -> int:

@@ -150,9 +150,10 @@ class Planner:
         An update that ran beside the next forward and backward (``overlapped``) teaches nothing: its times
         show their contention, not the rates of an update the model prices; learning from them moved the
         1.36B plans on an H200 towards staging everything, and the iterations got slower
-        (docs/benchmarks/overlap.md)."""
+        (docs/benchmarks/overlap.md). Nor does one whose staged subgroups came in during backward
+        (``prefetch``): the model prices every staged subgroup's way in inside the update."""
         self._observed += 1
-        if self._observed == 1 or self.device.type != "cuda" or overlapped:
+        if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched:
             return
         if self._calibrated is None:
             if self.sync.collective:  # ranks decided together at construction: loading now could split them
@@ -220,7 +221,8 @@ class Planner:
         return self.current
 
     def after_update(self) -> None:
-        """The update's transient allocations raised the allocator's peak, not forward or backward."""
+        """Our own transient allocations (the update's buffers, slots filled ahead of it) raised the
+        allocator's peak, not forward or backward."""
         if self.budget.active:
             self.budget.after_update()
 
@@ -247,6 +249,20 @@ class Planner:
                  + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
         fits = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0) * RESIDENT_BYTES_PER_ELEMENT <= room
         return int(fits.sum())  # the cumulative sum grows: the ones that fit are a prefix
+
+    def room_ahead(self, resident_bytes: int, ahead_bytes: int) -> int:
+        """GPU bytes that slots filled ahead of the update (during backward) may still take: within the
+        budget even where forward and backward reach the peak measured for them, beside the residents
+        (``resident_bytes``), the update's own buffers and the slots already filled (``ahead_bytes``), and
+        within what is free now less the headroom (backward is still running). 0 before a need was
+        measured (the first step) and without a GPU (no budget to fill)."""
+        if not self.budget.active or self.budget.need is None:
+            return 0
+        biggest = max(self.sizes, default=0)
+        own = (SLOT_BYTES_PER_ELEMENT * self.max_slots + SCRATCH_BYTES_PER_ELEMENT
+               + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
+        room = self.budget.resident_room() - resident_bytes - own - ahead_bytes
+        return max(0, min(room, self.budget.free() - self.budget.headroom()))
 
     def slots_that_fit(self) -> int:
         """How many staging slots (up to ``max_slots``) fit in the GPU memory free at the update, within the

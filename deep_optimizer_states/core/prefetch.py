@@ -1,0 +1,102 @@
+"""Staged subgroups' states copied into GPU slots during backward, ahead of the update that reads them.
+
+Under ``stream_grads`` the host-to-GPU direction of the link idles through backward: only the CPU path's
+gradients move, GPU to host. A staged subgroup's master, exp_avg and exp_avg_sq do not depend on this
+step's gradients, so they can come in then, into slots of their own (within the GPU memory the planner
+allows, beside what forward and backward were measured to need); the update then finds them there and
+only computes and flushes them, and its window carries that much less of the heavier direction.
+
+Exactness: the host copy is the truth throughout (nothing is written before the update), so a copy taken
+ahead is simply dropped whenever the host copy may change before the step (a write through ``opt.state``,
+a master re-read from an edited weight, a loaded checkpoint, a step that is skipped) and the update stages
+that subgroup the usual way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .lanes import Lane
+from .layout import Subgroup
+
+SLOT_BYTES = 16  # per element: fp32 param, grad, exp_avg, exp_avg_sq (the engine's staging slot)
+
+
+@dataclass
+class Ahead:
+    """One subgroup's states in a slot of their own: p, g, m, v (g is written by the update), and the event
+    after which p, m and v hold the host's values."""
+
+    p: torch.Tensor
+    g: torch.Tensor
+    m: torch.Tensor
+    v: torch.Tensor
+    loaded: object
+
+
+class Prefetch:
+    """The slots filled ahead of the next update, keyed by subgroup index."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.lane = Lane(device)
+        self.ready: dict[int, Ahead] = {}
+        self.filled = 0  # subgroups filled ahead since the optimizer was built (telemetry)
+        self._next = 0  # this step: how far down the update's order the fills have come
+
+    def bytes(self) -> int:
+        """GPU bytes the slots filled ahead hold now."""
+        return sum(SLOT_BYTES * a.p.numel() for a in self.ready.values())
+
+    def pending(self, order: Sequence[Subgroup]) -> bool:
+        """Whether subgroups of ``order`` (this step's) are still to fill."""
+        return self._next < len(order)
+
+    @torch.no_grad()
+    def top_up(self, order: Sequence[Subgroup], room: int) -> int:
+        """Fill slots for the next subgroups of ``order`` (the same list all step), in that order, while
+        their slots fit in ``room`` bytes (the first that does not fit ends it: the update takes them in
+        this order). Returns how many were added."""
+        added = 0
+        while self._next < len(order):
+            sg = order[self._next]
+            need = SLOT_BYTES * sg.numel
+            if need > room:
+                break
+            try:
+                p, g, m, v = torch.empty(4, sg.numel, dtype=torch.float32, device=self.device).unbind(0)
+            except torch.cuda.OutOfMemoryError:
+                break
+            with self.lane.run(f"sg{sg.index}"):
+                for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
+                    dst.copy_(src, non_blocking=True)
+            self.ready[sg.index] = Ahead(p, g, m, v, self.lane.record())
+            room -= need
+            added += 1
+            self._next += 1
+        self.filled += added
+        return added
+
+    def take(self) -> dict[int, Ahead]:
+        """Hand the filled slots to an update (which holds them until its streams are done)."""
+        ready, self.ready, self._next = self.ready, {}, 0
+        return ready
+
+    def restart(self) -> None:
+        """A new step: fills start again from the top of its order (none may be left: see ``drop``)."""
+        self._next = 0
+
+    def drop(self, only: set[int] | None = None) -> bool:
+        """Forget the slots filled ahead (of the subgroups ``only``, else all): their host copy may change, or
+        the step does not take them. Once their copies have run, so that their memory is not reused under
+        them. Returns whether any was dropped."""
+        out = [i for i in self.ready if only is None or i in only]
+        if not out:
+            return False
+        self.lane.synchronize()
+        for i in out:
+            del self.ready[i]
+        return True

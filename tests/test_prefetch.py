@@ -1,0 +1,215 @@
+"""Staged subgroups' states filled ahead during backward (``prefetch=True``), on the CPU.
+
+On a CPU-only machine there is no GPU memory to budget, so the planner's room for slots filled ahead is
+set by each test (``opt.planner.room_ahead``); the slots are CPU tensors and the copies run in program
+order: the same code paths as on a GPU. Every run is compared bit for bit with the same run without
+prefetch, on the same data (test_grad_stream.py holds that one to torch's AdamW: a reference cannot ride
+along here, as stream_grads gives the CPU path's gradients back during backward).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.core.prefetch import SLOT_BYTES
+from deep_optimizer_states.planning.budget import MemoryBudget
+from deep_optimizer_states.planning.plan import Planner
+from tests.harness import loss_of, mlp, tiny_llama
+from tests.test_perfmodel import H200_LIKE
+from tests.test_residency import FakeProbe
+
+GB = 10**9
+UNLIMITED = 10**15
+
+
+def _build(prefetch: bool, kind: str = "mlp", room: int = UNLIMITED, **kwargs) -> tuple:
+    model = (mlp if kind == "mlp" else tiny_llama)(torch.bfloat16, "cpu", seed=5)
+    size = sum(p.numel() for p in model.parameters()) // 9
+    kwargs = {"schedule": 2, "lr": 3e-3, "weight_decay": 0.1, **kwargs}
+    opt = DeepOptimizerStates(model, subgroup_size=size, stream_grads=True, prefetch=prefetch, **kwargs)
+    if prefetch:
+        opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
+    return model, opt
+
+
+def _train(model, opt, steps: int, between=None, micro_batches: int = 1, seed: int = 11) -> list[int]:
+    """Train ``steps`` steps; ``between(step)`` acts after backward, before the step. Returns how many
+    subgroups each update found filled ahead."""
+    gen = torch.Generator().manual_seed(seed)
+    filled = []
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(micro_batches):
+            if k < micro_batches - 1:
+                with opt.accumulating():
+                    (loss_of(model, gen) / micro_batches).backward()
+            else:
+                (loss_of(model, gen) / micro_batches).backward()
+        if between is not None:
+            between(step)
+        opt.step()
+        opt.synchronize()
+        filled.append(opt.last_update.prefetched)
+    return filled
+
+
+def _masters(model, opt) -> list[torch.Tensor]:
+    return [opt.master(p).clone() for p in model.parameters()]
+
+
+def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "filled ahead differs from staged at the update"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("kwargs", [{}, {"max_grad_norm": 0.5}, {"schedule": "gpu"}],
+                         ids=["mixed", "clipped", "all-staged"])
+def test_states_filled_ahead_give_the_same_result_bit_for_bit(overlap, kwargs):
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch, "llama", overlap=overlap, **kwargs)
+        filled = _train(model, opt, steps=6, micro_batches=2)
+        staged = opt.placements.count(Placement.STAGED)
+        runs.append(_masters(model, opt))
+    assert staged and filled == [staged] * 6, "every staged subgroup filled ahead, at every step"
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_room_bounds_the_slots_and_the_first_the_update_takes_come_first(overlap):
+    model, opt = _build(True, "llama", overlap=overlap)
+    staged = [sg for sg, place in zip(opt.layout.subgroups, opt.placements) if place is Placement.STAGED]
+    biggest = max(sg.numel for sg in staged)
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, SLOT_BYTES * 2 * biggest - ahead_bytes)
+    taken = []
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        taken.append(sorted(opt.prefetch.ready))
+        assert opt.prefetch.bytes() <= SLOT_BYTES * 2 * biggest
+        opt.step()
+        opt.synchronize()
+    order = sorted(staged, key=lambda sg: opt._need_order.get(sg.index, len(opt._need_order)))
+    assert taken[-1] == sorted(sg.index for sg in order[:len(taken[-1])]) and len(taken[-1]) >= 1
+    assert opt.prefetch.ready == {}, "an update takes every slot filled ahead"
+
+
+def _edit_weight(model, opt):
+    with torch.no_grad():
+        next(model.parameters()).mul_(0.5)
+
+
+def _write_moment(model, opt):
+    opt.state[next(model.parameters())]["exp_avg"].mul_(0.25)
+
+
+def _write_master(model, opt):
+    p = next(model.parameters())
+    opt.state[p]["master"] = opt.state[p]["master"] * 0.75
+
+
+@pytest.mark.parametrize("change", [_edit_weight, _write_moment, _write_master],
+                         ids=["edited-weight", "moment-written", "master-written"])
+def test_a_host_change_between_backward_and_step_is_not_undone_by_a_copy_taken_ahead(change):
+    """The first param sits in subgroup 0, which "2" stages and the update takes first."""
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch)
+        filled = _train(model, opt, steps=5, between=lambda step: change(model, opt) if step == 2 else None)
+        runs.append(_masters(model, opt))
+        if prefetch:
+            assert filled[1] > 0 and filled[2] < filled[1], "the copies taken before the change were dropped"
+    _assert_same(*runs)
+
+
+def test_a_checkpoint_loaded_between_backward_and_step_is_what_the_step_updates():
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch)
+        _train(model, opt, steps=2)
+        saved = opt.state_dict()
+        _train(model, opt, steps=2, seed=12)
+        filled = _train(model, opt, steps=2, seed=13, between=lambda step: opt.load_state_dict(saved) if step == 0
+                        else None)
+        runs.append(_masters(model, opt))
+        if prefetch:
+            assert filled == [0, opt.placements.count(Placement.STAGED)]
+    _assert_same(*runs)
+
+
+def test_a_skipped_step_drops_its_slots_and_the_next_one_fills_again():
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch)
+        gen = torch.Generator().manual_seed(7)
+        filled = []
+        for step in range(4):
+            opt.zero_grad()
+            loss = loss_of(model, gen)
+            (loss * float("inf") if step == 1 else loss).backward()  # step 1: inf/nan gradients
+            if prefetch and step == 1:
+                assert opt.prefetch.ready, "filled during the backward whose step is skipped"
+            opt.step()
+            filled.append(opt.last_update.prefetched)
+            if prefetch:
+                assert opt.prefetch.ready == {}
+        assert opt.skipped_steps == 1
+        if prefetch:
+            assert filled[2] > 0
+        runs.append(_masters(model, opt))
+    _assert_same(*runs)
+
+
+def test_no_room_no_slots_and_the_same_result():
+    model, opt = _build(True, room=0)
+    assert _train(model, opt, steps=3) == [0, 0, 0]
+
+
+def test_prefetch_needs_stream_grads_and_a_bool():
+    with pytest.raises(ValueError, match="prefetch=True needs stream_grads=True"):
+        DeepOptimizerStates(mlp(), prefetch=True)
+    with pytest.raises(ValueError, match="prefetch must be True or False"):
+        DeepOptimizerStates(mlp(), stream_grads=True, prefetch="yes")
+
+
+def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
+    """Room for slots filled ahead: the budget less the measured need, the headroom, the residents, the
+    update's own buffers and the slots already filled; never more than is free now less the headroom;
+    none before a need was measured."""
+    sizes = [1000] * 10
+    probe = FakeProbe(total=100 * GB, limit=100 * GB, allocated=30 * GB, peak=40 * GB)
+    planner = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=MemoryBudget(50 * GB, probe))
+    assert planner.room_ahead(0, 0) == 0, "no need measured yet"
+    planner.budget.observe(0)
+    headroom = planner.budget.headroom()
+    own = (16 * 4 + 8 + 4) * 1000
+    assert planner.room_ahead(0, 0) == 50 * GB - 40 * GB - headroom - own
+    assert planner.room_ahead(2 * GB, 3 * GB) == 50 * GB - 40 * GB - headroom - own - 5 * GB
+    probe.alloc = 45 * GB  # backward holds more now: what is free bounds it
+    assert planner.room_ahead(0, 0) == 5 * GB - headroom
+
+
+def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backward():
+    """The fills raise the allocator's peak during backward; the need the budget measures (which sizes the
+    residents and the room for fills) must stay forward's and backward's own."""
+    model, opt = _build(True)
+    opt.planner.room_ahead = Planner.room_ahead.__get__(opt.planner)  # the planner's own room, not the tests'
+    base = 10 * GB
+
+    class Allocator(FakeProbe):
+        def peak(self):  # the allocator's peak: monotone, raised by the slots filled ahead
+            self.peak_bytes = max(self.peak_bytes, base + opt.prefetch.bytes())
+            return self.peak_bytes
+
+    probe = Allocator(total=100 * GB, limit=100 * GB, allocated=base, peak=base)
+    planner = Planner([sg.numel for sg in opt.layout.subgroups], torch.device("cpu"), 4, rates=H200_LIKE,
+                      budget=MemoryBudget(50 * GB, probe))
+    planner._gpu = True  # plan and measure as on a GPU (the fake probe stands for its memory)
+    opt.planner = planner
+    opt.schedule = "offload"
+    filled = _train(model, opt, steps=4)
+    assert filled[0] == 0 and all(filled[1:]), "no need measured before the first step: fills from the second"
+    assert probe.peak_bytes > base and planner.budget.need == base
