@@ -95,27 +95,33 @@ def write_final(model: nn.Module, out: str, what: str) -> None:
 
 
 def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False,
-         subgroup_size: int = 97) -> DeepOptimizerStates:
-    """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn."""
+         subgroup_size: int = 97, fill_ahead: bool = False) -> DeepOptimizerStates:
+    """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn;
+    ``fill_ahead``: prefetch=True with room for every staged subgroup (no GPU budget to read here)."""
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=subgroup_size, max_grad_norm=MAX_NORM,
                               schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream,
-                              overlap=overlap)
+                              overlap=overlap, prefetch=fill_ahead)
+    if fill_ahead:
+        opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: 1 << 40
     if schedule == "mixed":
         opt.schedule = [("resident", "staged", "cpu")[i % 3] for i in range(len(opt.layout.subgroups))]
     return opt
 
 
-def train_mode(steps: int, schedule, stream: bool) -> None:
+def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False) -> None:
     """With ``stream``, a second sharded copy trains without stream_grads beside it: the two must agree bit
-    for bit (the streamed gradients and their norms take the same fp32 operations)."""
+    for bit (the streamed gradients and their norms take the same fp32 operations); with ``fill_ahead``
+    the first also fills its staged subgroups' slots during backward."""
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     model = shard(make_model())
-    opt = ours(model, schedule, stream)
+    opt = ours(model, schedule, stream, fill_ahead=fill_ahead)
+    filled = 0
     twin = shard(make_model()) if stream else None
     twin_opt = ours(twin, schedule) if stream else None
     for step in range(steps):
         train_step(model, opt, step, sharded=True)
+        filled += opt.last_update.prefetched
         train_step(ref, ref_opt, step, sharded=False)
         for (name, p), want in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), want.detach(), rtol=2e-5, atol=2e-6,
@@ -124,6 +130,9 @@ def train_mode(steps: int, schedule, stream: bool) -> None:
             train_step(twin, twin_opt, step, sharded=True)
             assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), twin.parameters()))
             assert opt.last_grad_norm.item() == twin_opt.last_grad_norm.item()
+    if fill_ahead:
+        assert filled > 0, "no staged subgroup was filled ahead"
+        print(f"rank {dist.get_rank()}: {filled} staged subgroups filled during backward", flush=True)
     if stream:
         assert opt.grad_stream.sent > 0, "gradients were streamed during backward"
         print(f"rank {dist.get_rank()}: streamed {opt.grad_stream.sent} subgroups, equal bit for bit", flush=True)
@@ -315,6 +324,7 @@ def main() -> None:
     ap.add_argument("--schedule", default="2")
     ap.add_argument("--stream", action="store_true", help="train: stream_grads=True (beside a twin without)")
     ap.add_argument("--prefetch", action="store_true", help="overlap: the first block prefetches the second")
+    ap.add_argument("--fill-ahead", action="store_true", help="train: ours with prefetch=True (needs --stream)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
     schedule = int(args.schedule) if args.schedule.isdigit() else args.schedule
@@ -325,7 +335,7 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.mode == "train":
-            train_mode(args.steps, schedule, args.stream)
+            train_mode(args.steps, schedule, args.stream, args.fill_ahead)
         elif args.mode == "save":
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
         elif args.mode == "calibrate":

@@ -51,6 +51,14 @@ def test_streamed_gradients_under_fsdp2_match_adamw_and_the_unstreamed_run(ranks
     assert out.count("equal bit for bit") == ranks
 
 
+def test_states_filled_ahead_under_fsdp2_change_no_bit():
+    """prefetch=True under FSDP2 (3 ranks, uneven shards, resident, staged and CPU subgroups): each rank fills
+    its staged shards' slots from the hooks the reduce-scatter runs; bit for bit the run without."""
+    out = torchrun(3, "train", "--steps", "4", "--schedule", "mixed", "--stream", "--fill-ahead")
+    assert out.count("4 steps equal torch AdamW") == 3 and out.count("equal bit for bit") == 3
+    assert out.count("staged subgroups filled during backward") == 3
+
+
 @pytest.mark.parametrize("ranks,schedule,stream", [(2, "2", False), (3, "mixed", False), (2, "cpu", True)])
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank(ranks, schedule, stream):
     """The inf/nan check reads the global norm: a rank whose own shard is finite must skip too, or the
