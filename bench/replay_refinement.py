@@ -32,6 +32,7 @@ class _Recorded:
     cpu_adam_seconds: float
     cpu_subgroups: int
     staged_subgroups: int
+    prefetched: int = 0  # the recorded updates ran without prefetch
 
 
 def replay(rows: list[dict], updates_per_schedule: int = 7, probe: str | None = None) -> list[dict]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 import weakref
@@ -21,7 +22,7 @@ from .core.lanes import current_point
 from .core.layout import Layout, Subgroup, local
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
-from .core.residency import Residents
+from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule, validate_schedule
 from .planning.budget import CudaProbe, MemoryBudget, validate_budget
@@ -130,7 +131,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.overlapper: UpdateInFlight | None = None
         self._failed: BaseException | None = None  # an update that failed part-way (see _check_not_failed)
-        self.state = HostState(self._make_current, self.synchronize)
+        self.state = HostState(_weak(self._make_current), _weak(self.synchronize))
         self._group_params = self._params_by_group()  # what the host layout was built for
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
@@ -154,22 +155,23 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self.layout = Layout(trainable, subgroup_size, self.device, local_ranks(),
-                             None if self.group is None else lambda: torch.distributed.barrier(group=self.group))
-        self.layout.before_host_write = self._evict_param
+                             None if self.group is None else functools.partial(torch.distributed.barrier,
+                                                                               group=self.group))
+        self.layout.before_host_write = _weak(self._evict_param)
         self.engine = Engine(self.device)
         self.residents = Residents(self.device)
         self.prefetch = Prefetch(self.device) if prefetch else None
         self._order_ahead: list | None = None  # this step's staged subgroups, in the order the update takes them
-        self.residents.before_evict = lambda held: self.planner.budget.note_eviction(held)
+        self._residents_ahead = 0  # bytes of this step's planned residents
+        self.residents.before_evict = _weak(self._note_eviction)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe),
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device))
         self._largest_input = 0
-        self.grad_stream = (GradStream(self.layout, self.device, lambda i: self.plan.placements[i] is Placement.CPU)
-                            if stream_grads else None)
+        self.grad_stream = GradStream(self.layout, self.device, _weak(self._is_cpu_placed)) if stream_grads else None
         if self.prefetch is not None:
-            self.grad_stream.after_grad = self._fill_ahead
+            self.grad_stream.after_grad = _weak(self._fill_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
@@ -323,7 +325,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Param i of bucket b's entry of opt.state: its step count and views of its host buffers."""
         p = b.params[i]
         return ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
-                          lambda key: self._before_state_write(p, key), lambda key: self._state_written(b, i, key))
+                          functools.partial(_weak(self._before_state_write), p),
+                          functools.partial(_weak(self._state_written), b, i))
 
     @contextlib.contextmanager
     def every_state_shown(self) -> Iterator[None]:
@@ -380,6 +383,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 local(b.params[i]).copy_(self.layout.views(b.params[i])["master"])
             self.layout.record_writes()
 
+    def _note_eviction(self, held: int) -> None:
+        self.planner.budget.note_eviction(held)
+
+    def _is_cpu_placed(self, index: int) -> bool:
+        return self.plan.placements[index] is Placement.CPU
+
     def _evict_param(self, bucket, i: int) -> None:
         self._drop_ahead(self.layout.subgroups_of(bucket, i))  # a master is about to be written
         if len(self.residents):
@@ -391,17 +400,20 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         states into slots of their own while the budget allows, in the order the update will take them."""
         if self.overlapper is not None and self.overlapper.busy and not self.overlapper.finished:
             return  # the last update may still be writing these host states
-        if self._order_ahead is None:
-            staged = [sg for sg, place in zip(self.layout.subgroups, self.plan.placements)
-                      if place is Placement.STAGED and sg not in self.residents]
+        if self._order_ahead is None:  # once a step: the plan does not change during backward
+            pairs = list(zip(self.layout.subgroups, self.plan.placements))
+            staged = [sg for sg, place in pairs if place is Placement.STAGED and sg not in self.residents]
             last = len(self._need_order)
             self._order_ahead = sorted(staged, key=lambda sg: self._need_order.get(sg.index, last))
+            # the plan's residents, some of which the update may admit only then
+            self._residents_ahead = RESIDENT_BYTES_PER_ELEMENT * sum(sg.numel for sg, place in pairs
+                                                                     if place is Placement.RESIDENT)
         if not self.prefetch.pending(self._order_ahead):
             return
         budget = self.planner.budget
         if not self.prefetch.ready and budget.active and budget.need is not None:
             budget.observe(budget.held_at_peak(self.residents.bytes()))  # the first this step: forward's need
-        room = self.planner.room_ahead(self.residents.bytes(), self.prefetch.bytes())
+        room = self.planner.room_ahead(max(self.residents.bytes(), self._residents_ahead), self.prefetch.bytes())
         if room > 0:
             self.prefetch.top_up(self._order_ahead, room)
 
@@ -809,6 +821,18 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._failed = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+
+def _weak(method: Callable) -> Callable:
+    """``method`` (bound to the optimizer) called through a weak reference: the optimizer's own parts hold
+    it without a reference cycle, so dropping the optimizer frees it (its pinned memory with it) at once, as
+    dropping a torch optimizer does, instead of at the next garbage collection."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+    return call
 
 
 def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:

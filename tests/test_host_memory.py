@@ -258,8 +258,9 @@ def test_a_failed_pinning_fallback_unregisters_the_buffers_registered_before(mon
 
 
 def test_an_optimizer_dropped_without_close_does_not_block_the_next_one(monkeypatch):
-    """An optimizer dropped without close() keeps its pinned buffers until the garbage collector frees its
-    reference cycles; the next one's capacity check collects first instead of failing for that memory."""
+    """An optimizer dropped without close() inside a reference cycle (a user's object holding it and held
+    by it) keeps its pinned buffers until the garbage collector runs; the next one's capacity check
+    collects first instead of failing for that memory."""
     import gc
     import weakref
 
@@ -269,14 +270,44 @@ def test_an_optimizer_dropped_without_close_does_not_block_the_next_one(monkeypa
     gc.disable()  # the test decides when the collector runs
     try:
         opt = DeepOptimizerStates(mlp(torch.float32, "cpu", seed=1), lr=1e-3)
+        opt.trainer = {"optimizer": opt}
         dropped = weakref.ref(opt)
         del opt
-        assert dropped() is not None  # held by its own reference cycles: the premise of the test
+        assert dropped() is not None  # held by the cycle: the premise of the test
         monkeypatch.setattr(hm, "available_host_bytes", lambda: 10**12 if dropped() is None else 0)
         DeepOptimizerStates(mlp(torch.float32, "cpu", seed=2), lr=1e-3).close()
         assert dropped() is None
         with pytest.raises(MemoryError, match="not enough host memory"):  # short for real: still refused
             monkeypatch.setattr(hm, "available_host_bytes", lambda: 0)
             DeepOptimizerStates(mlp(torch.float32, "cpu", seed=3), lr=1e-3)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"stream_grads": True}, {"overlap": True},
+                                    {"stream_grads": True, "overlap": True, "prefetch": True}],
+                         ids=["plain", "stream_grads", "overlap", "prefetch"])
+def test_dropping_the_optimizer_frees_it_at_once(kwargs):
+    """As with a torch optimizer: no reference cycle of its own keeps it (and its pinned buffers) alive
+    until a garbage collection, also after its states were read and a state_dict taken."""
+    import gc
+    import weakref
+
+    from deep_optimizer_states import DeepOptimizerStates
+    from tests.harness import loss_of, mlp
+
+    torch.optim.AdamW(mlp().parameters())  # torch keeps the first optimizer of a process until a collection
+    gc.disable()
+    try:
+        model = mlp(torch.float32, "cpu", seed=1)
+        opt = DeepOptimizerStates(model, lr=1e-3, **kwargs)
+        loss_of(model, torch.Generator().manual_seed(0)).backward()
+        opt.step()
+        opt.synchronize()
+        opt.state[next(model.parameters())]["exp_avg"].sum()
+        opt.state_dict()
+        dropped = weakref.ref(opt)
+        del opt
+        assert dropped() is None, "the optimizer outlived its last reference"
     finally:
         gc.enable()

@@ -192,9 +192,11 @@ def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
     assert planner.room_ahead(0, 0) == 5 * GB - headroom
 
 
-def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backward():
+@pytest.mark.parametrize("schedule", ["offload", 2], ids=str)
+def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backward(schedule):
     """The fills raise the allocator's peak during backward; the need the budget measures (which sizes the
-    residents and the room for fills) must stay forward's and backward's own."""
+    residents and the room for fills) must stay forward's and backward's own. A fixed schedule measures
+    it too (else it would never fill)."""
     model, opt = _build(True)
     opt.planner.room_ahead = Planner.room_ahead.__get__(opt.planner)  # the planner's own room, not the tests'
     base = 10 * GB
@@ -209,7 +211,26 @@ def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backw
                       budget=MemoryBudget(50 * GB, probe))
     planner._gpu = True  # plan and measure as on a GPU (the fake probe stands for its memory)
     opt.planner = planner
-    opt.schedule = "offload"
+    opt.schedule = schedule
     filled = _train(model, opt, steps=4)
     assert filled[0] == 0 and all(filled[1:]), "no need measured before the first step: fills from the second"
     assert probe.peak_bytes > base and planner.budget.need == base
+
+
+def test_the_room_ahead_counts_the_residents_the_update_will_admit():
+    """At the first step no resident is admitted yet; the room for fills must leave their states' bytes."""
+    model, opt = _build(True)
+    count = len(opt.layout.subgroups)
+    opt.schedule = [("resident", "staged", "cpu")[i % 3] for i in range(count)]
+    seen = []
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: seen.append(resident_bytes) or UNLIMITED
+    _train(model, opt, steps=1)
+    planned = 12 * sum(sg.numel for sg in opt.layout.subgroups[::3])
+    assert seen and seen[0] == planned and len(opt.residents) == len(opt.layout.subgroups[::3])
+
+
+def test_the_fill_lane_keeps_no_record_of_its_work():
+    """Nobody reads the fill lane's busy time: it must not gather a timing record per fill, step after step."""
+    model, opt = _build(True)
+    _train(model, opt, steps=3)
+    assert opt.prefetch.filled > 0 and opt.prefetch.lane._spans == []

@@ -28,8 +28,13 @@ class Lane:
         self._spans: list = []
 
     @contextlib.contextmanager
-    def run(self, label: str = "") -> Iterator[None]:
-        """Enqueue the enclosed work on this lane, timing it (waits belong before, outside the block)."""
+    def run(self, label: str = "", timed: bool = True) -> Iterator[None]:
+        """Enqueue the enclosed work on this lane, timing it unless ``timed`` is False (a lane whose busy
+        time nobody reads must not keep its events); waits belong before, outside the block."""
+        if not timed:
+            with contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream):
+                yield
+            return
         if self.stream is None:
             t0 = time.perf_counter()
             yield

@@ -70,7 +70,7 @@ class Prefetch:
                 p, g, m, v = torch.empty(4, sg.numel, dtype=torch.float32, device=self.device).unbind(0)
             except torch.cuda.OutOfMemoryError:
                 break
-            with self.lane.run(f"sg{sg.index}"):
+            with self.lane.run(timed=False):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
             self.ready[sg.index] = Ahead(p, g, m, v, self.lane.record())

@@ -201,11 +201,11 @@ class Planner:
         for "auto" on a GPU, calibrated first if it is still provisional, and planned again if the memory for
         residents or staging slots, or a refined rate, has changed."""
         schedule = self.current.schedule
+        if self.budget.active:  # also under a fixed schedule: the room for slots filled ahead reads it
+            self.budget.observe(resident_bytes)
         if schedule not in MODELLED or not self._gpu:
             return self.current
         self._held = resident_bytes
-        if self.budget.active:
-            self.budget.observe(resident_bytes)
         now = self.factors
         moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now)
         residents = self.current.placements.count(Placement.RESIDENT)
