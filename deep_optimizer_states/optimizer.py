@@ -410,20 +410,16 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                                                      if place is Placement.RESIDENT)
         if not self.prefetch.pending(self._order_ahead):
             return
-        budget = self.planner.budget
-        if not self.prefetch.ready and budget.active and budget.need is not None:
-            budget.observe(budget.held_at_peak(self.residents.bytes()))  # the first this step: forward's need
         room = self.planner.room_ahead(max(self.residents.bytes(), self._residents_ahead), self.prefetch.bytes())
         if room > 0:
-            self.prefetch.top_up(self._order_ahead, room)
+            self.prefetch.top_up(self._order_ahead, room, self.planner.budget.note_fill)
 
     def _drop_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
         """Forget the slots filled ahead (of ``subgroups``, else all): the host copy may change, or the step
         does not take them."""
         if getattr(self, "prefetch", None) is None:
             return
-        if self.prefetch.drop(None if subgroups is None else {sg.index for sg in subgroups}):
-            self.planner.after_update()  # their memory raised the peak, not forward or backward
+        self.prefetch.drop(None if subgroups is None else {sg.index for sg in subgroups})
 
     def release_gpu_memory(self) -> None:
         """Move every resident state back to pinned host memory now (before a forward that needs more GPU
@@ -552,12 +548,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
-        if self.prefetch is not None and self.prefetch.ready:
-            self.planner.after_update()  # the slots filled ahead raised the allocator's peak, not backward
-        plan = self.planner.refresh(self.planner.budget.held_at_peak(self.residents.bytes()))
+        budget = self.planner.budget
+        filled = budget.filled_at_peak(self.prefetch.step_bytes) if self.prefetch is not None else 0
+        plan = self.planner.refresh(budget.held_at_peak(self.residents.bytes()), filled)
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
             plan = streamed_for
+        elif plan is not streamed_for:  # planned again: slots filled for the old plan would crowd the new one
+            self._drop_ahead()
         # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
@@ -817,6 +815,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         self.residents.evict()  # loaded values go to the host; residents would overwrite them
+        self._drop_ahead()  # and so would copies taken ahead of them
         state_io.load(self, state_dict)
         self._failed = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -234,3 +234,85 @@ def test_the_fill_lane_keeps_no_record_of_its_work():
     model, opt = _build(True)
     _train(model, opt, steps=3)
     assert opt.prefetch.filled > 0 and opt.prefetch.lane._spans == []
+
+
+def test_a_need_that_grows_late_in_backward_is_still_measured_with_fills_held():
+    """The fills are held from early in backward; forward's and backward's own memory, growing late in a
+    later step (gradients piling up, a longer batch), must still raise the need (as without prefetch)."""
+    needs = {}
+    for prefetch in (False, True):
+        model, opt = _build(prefetch)
+        if prefetch:
+            opt.planner.room_ahead = Planner.room_ahead.__get__(opt.planner)
+        now = {"step": 0, "hooks": 0}
+
+        class Allocator(FakeProbe):
+            def peak(self):  # the model's bytes: 10 GB early in backward, 12 (14 from step 3) late in it
+                late = now["hooks"] > 4
+                model_bytes = 10 * GB + (0 if not late else (2 if now["step"] < 3 else 4) * GB)
+                self.peak_bytes = max(self.peak_bytes, model_bytes + (opt.prefetch.bytes() if prefetch else 0))
+                return self.peak_bytes
+
+        probe = Allocator(total=100 * GB, limit=100 * GB, allocated=10 * GB, peak=10 * GB)
+        planner = Planner([sg.numel for sg in opt.layout.subgroups], torch.device("cpu"), 4, rates=H200_LIKE,
+                          budget=MemoryBudget(50 * GB, probe))
+        planner._gpu = True
+        opt.planner = planner
+        opt.schedule = 2
+        hook = opt.grad_stream.after_grad
+
+        def counting():
+            now["hooks"] += 1
+            probe.peak()  # the allocator passes through this moment's memory
+            if hook is not None:
+                hook()
+
+        opt.grad_stream.after_grad = counting
+        needs[prefetch], filled = [], []
+        for step in range(1, 6):
+            now["step"], now["hooks"] = step, 0
+            filled += _train(model, opt, steps=1)
+            needs[prefetch].append(planner.budget.need)
+        if prefetch:
+            assert all(filled[1:]), "fills from the second step"
+    assert needs[True] == needs[False] == [12 * GB, 12 * GB, 14 * GB, 14 * GB, 14 * GB]
+
+
+def test_a_torch_state_dict_loaded_between_backward_and_step_is_what_the_step_updates():
+    """A torch AdamW state_dict (no fp32 masters in it) writes the moments through no weight edit: the
+    copies taken ahead of the load must go too."""
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch)
+        _train(model, opt, steps=2)
+        sd = opt.state_dict()
+        saved = {"state": {k: {n: v[n].clone() for n in ("step", "exp_avg", "exp_avg_sq")}
+                           for k, v in sd["state"].items()}, "param_groups": sd["param_groups"]}
+        _train(model, opt, steps=2, seed=12)
+        _train(model, opt, steps=2, seed=13, between=lambda step: opt.load_state_dict(saved) if step == 0 else None)
+        runs.append(_masters(model, opt) + [opt.state[p]["exp_avg"].clone() for p in model.parameters()])
+    _assert_same(*runs)
+
+
+def test_a_plan_made_again_at_the_step_drops_the_slots_filled_for_the_old_one():
+    """Without streamed CPU subgroups the step may plan again (new residents, say): the slots filled for
+    the old plan go before the update allocates for the new one; the result does not change."""
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch, schedule="gpu")
+        refresh = opt.planner.refresh
+        calls = {"n": 0}
+
+        def replanning(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                return opt.planner.plan("gpu")  # the same placements, planned again: a new plan
+            return refresh(*args, **kwargs)
+
+        opt.planner.refresh = replanning
+        filled = _train(model, opt, steps=4)
+        if prefetch:
+            staged = len(opt.layout.subgroups)
+            assert filled == [staged, staged, 0, staged]
+        runs.append(_masters(model, opt))
+    _assert_same(*runs)

@@ -240,6 +240,8 @@ class Engine:
             wait(pending)
             for lane in self.lanes.values():
                 lane.synchronize()
+            for filled in ahead.values():  # also those no job used (no gradient, planned elsewhere)
+                filled.loaded.synchronize()
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
         window = Lane.window_seconds(self.stage_in, self.stage_out)

@@ -15,11 +15,11 @@ that subgroup the usual way.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-from .lanes import Lane
+from .lanes import Lane, current_point
 from .layout import Subgroup
 
 SLOT_BYTES = 16  # per element: fp32 param, grad, exp_avg, exp_avg_sq (the engine's staging slot)
@@ -45,31 +45,38 @@ class Prefetch:
         self.lane = Lane(device)
         self.ready: dict[int, Ahead] = {}
         self.filled = 0  # subgroups filled ahead since the optimizer was built (telemetry)
+        self.step_bytes = 0  # bytes allocated for fills this step, dropped ones included
+        self._bytes = 0
         self._next = 0  # this step: how far down the update's order the fills have come
 
     def bytes(self) -> int:
         """GPU bytes the slots filled ahead hold now."""
-        return sum(SLOT_BYTES * a.p.numel() for a in self.ready.values())
+        return self._bytes
 
     def pending(self, order: Sequence[Subgroup]) -> bool:
         """Whether subgroups of ``order`` (this step's) are still to fill."""
         return self._next < len(order)
 
     @torch.no_grad()
-    def top_up(self, order: Sequence[Subgroup], room: int) -> int:
+    def top_up(self, order: Sequence[Subgroup], room: int, before_fill: Callable[[int], None] | None = None) -> int:
         """Fill slots for the next subgroups of ``order`` (the same list all step), in that order, while
         their slots fit in ``room`` bytes (the first that does not fit ends it: the update takes them in
-        this order). Returns how many were added."""
+        this order); ``before_fill(step_bytes)`` is told before each slot is allocated. Returns how many
+        were added. A slot comes from the caller's stream (backward's), whose queued kernels may still use
+        the block the allocator hands out: the copies wait for them."""
         added = 0
         while self._next < len(order):
             sg = order[self._next]
             need = SLOT_BYTES * sg.numel
             if need > room:
                 break
+            if before_fill is not None:
+                before_fill(self.step_bytes)
             try:
                 p, g, m, v = torch.empty(4, sg.numel, dtype=torch.float32, device=self.device).unbind(0)
             except torch.cuda.OutOfMemoryError:
                 break
+            self.lane.wait(current_point(self.device))
             with self.lane.run(timed=False):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
@@ -77,17 +84,19 @@ class Prefetch:
             room -= need
             added += 1
             self._next += 1
+            self._bytes += need
+            self.step_bytes += need
         self.filled += added
         return added
 
     def take(self) -> dict[int, Ahead]:
         """Hand the filled slots to an update (which holds them until its streams are done)."""
-        ready, self.ready, self._next = self.ready, {}, 0
+        ready, self.ready, self._next, self._bytes = self.ready, {}, 0, 0
         return ready
 
     def restart(self) -> None:
         """A new step: fills start again from the top of its order (none may be left: see ``drop``)."""
-        self._next = 0
+        self._next = self.step_bytes = 0
 
     def drop(self, only: set[int] | None = None) -> bool:
         """Forget the slots filled ahead (of the subgroups ``only``, else all): their host copy may change, or
@@ -98,5 +107,5 @@ class Prefetch:
             return False
         self.lane.synchronize()
         for i in out:
-            del self.ready[i]
+            self._bytes -= SLOT_BYTES * self.ready.pop(i).p.numel()
         return True

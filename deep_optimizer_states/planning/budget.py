@@ -90,6 +90,7 @@ class MemoryBudget:
         self.need: int | None = None  # bytes forward + backward needed beside our residents (None: not seen)
         self._peak_seen = 0
         self._evictions: list[tuple[int, int]] = []  # since the last step: (allocator peak, resident bytes before)
+        self._fills: list[tuple[int, int]] = []  # since the last step: (allocator peak, bytes filled ahead before)
 
     @property
     def active(self) -> bool:
@@ -130,13 +131,27 @@ class MemoryBudget:
         peak = self.probe.peak() if self.active else None
         return next((held for at, held in self._evictions if at == peak), held_now)
 
+    def note_fill(self, filled: int) -> None:
+        """A slot is about to be filled ahead of the update, ``filled`` bytes of them allocated this step so far."""
+        if self.active:
+            self._fills.append((self.probe.peak(), filled))
+
+    def filled_at_peak(self, filled_now: int) -> int:
+        """The bytes filled ahead (this step's, dropped ones too) held when the allocator reached its peak:
+        those allocated before the first fill after which the peak has not moved (the peak came before that
+        fill's slot, with the earlier ones held), else ``filled_now`` (it came after every fill). Counted
+        out of the need, as the residents held then are: what forward and backward reached on top of them
+        is still measured."""
+        peak = self.probe.peak() if self.active else None
+        return next((filled for at, filled in self._fills if at == peak), filled_now)
+
     def new_step(self) -> None:
-        """A step is over (taken or skipped): evictions from here on belong to the next one."""
+        """A step is over (taken or skipped): evictions and fills from here on belong to the next one."""
         self._evictions.clear()
+        self._fills.clear()
 
     def after_update(self) -> None:
-        """Our own transients (the update's slots and scratch, slots filled ahead of it) may have raised the
-        peak: that is not the model's."""
+        """The update's own transients (slots, scratch) may have raised the peak: that is not the model's."""
         self._peak_seen = self.probe.peak()
 
     def resident_room(self) -> int:

@@ -196,13 +196,14 @@ class Planner:
         self._planned_factors = self.factors
         return self.current
 
-    def refresh(self, resident_bytes: int = 0) -> Plan:
-        """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states;
-        for "auto" on a GPU, calibrated first if it is still provisional, and planned again if the memory for
-        residents or staging slots, or a refined rate, has changed."""
+    def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0) -> Plan:
+        """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states
+        and ``filled_bytes`` of slots filled ahead at the allocator's peak; for "auto" on a GPU, calibrated
+        first if it is still provisional, and planned again if the memory for residents or staging slots, or
+        a refined rate, has changed."""
         schedule = self.current.schedule
         if self.budget.active:  # also under a fixed schedule: the room for slots filled ahead reads it
-            self.budget.observe(resident_bytes)
+            self.budget.observe(resident_bytes + filled_bytes)
         if schedule not in MODELLED or not self._gpu:
             return self.current
         self._held = resident_bytes
@@ -221,8 +222,7 @@ class Planner:
         return self.current
 
     def after_update(self) -> None:
-        """Our own transient allocations (the update's buffers, slots filled ahead of it) raised the
-        allocator's peak, not forward or backward."""
+        """The update's transient allocations raised the allocator's peak, not forward or backward."""
         if self.budget.active:
             self.budget.after_update()
 
