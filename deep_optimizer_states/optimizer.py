@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import traceback
 import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
@@ -130,7 +131,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                         fused=fused, decoupled_weight_decay=adamw)
         super().__init__(params, defaults)
         self.overlapper: UpdateInFlight | None = None
-        self._failed: BaseException | None = None  # an update that failed part-way (see _check_not_failed)
+        self._failed: str | None = None  # an update that failed part-way, its error (see _check_not_failed)
         self.state = HostState(_weak(self._make_current), _weak(self.synchronize))
         self._group_params = self._params_by_group()  # what the host layout was built for
         self.adamw = adamw
@@ -325,8 +326,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Param i of bucket b's entry of opt.state: its step count and views of its host buffers."""
         p = b.params[i]
         return ParamState({"step": b.step_tensors[i], **self.layout.views(p)},
-                          functools.partial(_weak(self._before_state_write), p),
-                          functools.partial(_weak(self._state_written), b, i))
+                          _weak(self._before_state_write, p), _weak(self._state_written, b, i))
 
     @contextlib.contextmanager
     def every_state_shown(self) -> Iterator[None]:
@@ -573,7 +573,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed,
                                                   ahead=ahead)
         except BaseException as err:
-            self._failed = err
+            self._failed = _failure(err)
             raise
         finally:
             self.layout.record_writes()
@@ -619,7 +619,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         try:
             self.last_update = overlapper.join()
         except BaseException as err:
-            self._failed = err
+            self._failed = _failure(err)
             raise
         # no planner.after_update(): the update's transients ran beside the next forward, so the budget's
         # measured need rightly counts them
@@ -749,9 +749,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """After an update failed part-way, its states are partly updated while no step count moved: refuse to
         train on them or to checkpoint them until a checkpoint is loaded."""
         if self._failed is not None:
-            raise RuntimeError(f"an earlier update failed part-way ({type(self._failed).__name__}: {self._failed}), "
-                               "so some params and moments were updated and others not: load the last checkpoint "
-                               "with load_state_dict() (model and optimizer) to go on") from self._failed
+            raise RuntimeError(f"an earlier update failed part-way ({self._failed}), so some params and moments "
+                               "were updated and others not: load the last checkpoint with load_state_dict() (model "
+                               "and optimizer) to go on")
 
     def close(self) -> None:
         """Free the pinned host memory and stop the CPU worker now, instead of when garbage collected."""
@@ -822,16 +822,26 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             hook(self)
 
 
-def _weak(method: Callable) -> Callable:
-    """``method`` (bound to the optimizer) called through a weak reference: the optimizer's own parts hold
-    it without a reference cycle, so dropping the optimizer frees it (its pinned memory with it) at once, as
-    dropping a torch optimizer does, instead of at the next garbage collection."""
+def _weak(method: Callable, *first: Any) -> Callable:
+    """``method`` (bound to the optimizer) called through a weak reference, with ``first`` before the
+    caller's arguments: the optimizer's own parts hold it without a reference cycle, so dropping the
+    optimizer frees it (its pinned memory with it) at once, as dropping a torch optimizer does, instead of
+    at the next garbage collection. A function (not a partial), so that a deep copy of its holder leaves it
+    as it is."""
     ref = weakref.WeakMethod(method)
 
     def call(*args: Any, **kwargs: Any) -> Any:
         bound = ref()
-        return None if bound is None else bound(*args, **kwargs)
+        return None if bound is None else bound(*first, *args, **kwargs)
     return call
+
+
+def _failure(err: BaseException) -> str:
+    """A failed update's error as text, with where it was raised: the exception itself would keep its
+    traceback's frames, and the optimizer in them, alive after the user drops the optimizer."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = f", raised at {frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
 
 
 def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:

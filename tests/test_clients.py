@@ -736,3 +736,19 @@ def test_a_param_made_non_contiguous_is_refused_by_name():
     model.weight.grad = torch.ones(3, 4)
     with pytest.raises(RuntimeError, match="weight.*no longer contiguous"):
         opt.step()
+
+
+def test_opt_state_refuses_a_copy_and_an_entry_copies_as_before():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=LR)
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    opt.step()
+    with pytest.raises(TypeError, match="state_dict"):
+        copy.deepcopy(opt.state)
+    p = next(model.parameters())
+    entry = copy.deepcopy(opt.state[p])  # tensors copied, nothing else (not the param, not its bucket)
+    assert torch.equal(entry["exp_avg"], opt.state[p]["exp_avg"])
+    assert entry["exp_avg"].data_ptr() != opt.state[p]["exp_avg"].data_ptr()
+    before = p.detach().clone()
+    entry["master"] = entry["master"] * 2  # a write into the copy
+    assert torch.equal(p.detach(), before), "a copy's write must not reach the model"

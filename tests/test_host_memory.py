@@ -311,3 +311,37 @@ def test_dropping_the_optimizer_frees_it_at_once(kwargs):
         assert dropped() is None, "the optimizer outlived its last reference"
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_an_optimizer_whose_update_failed_is_freed_at_once_too(monkeypatch, overlap):
+    """The failed update's error is kept as text (with where it was raised): the exception would keep its
+    traceback's frames, and the optimizer in them, alive after the user drops it (after an out-of-memory
+    error, say, to build a smaller one)."""
+    import gc
+    import weakref
+
+    from deep_optimizer_states import DeepOptimizerStates
+    from deep_optimizer_states.core import engine
+    from tests.harness import loss_of, mlp
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("injected failure in the update")
+
+    torch.optim.AdamW(mlp().parameters())  # torch keeps the first optimizer of a process until a collection
+    gc.disable()
+    try:
+        model = mlp(torch.float32, "cpu", seed=1)
+        opt = DeepOptimizerStates(model, lr=1e-3, schedule="cpu", overlap=overlap)
+        monkeypatch.setattr(engine, "adam_update", failing)
+        loss_of(model, torch.Generator().manual_seed(0)).backward()
+        with pytest.raises(RuntimeError, match="injected failure"):
+            opt.step()
+            opt.synchronize()
+        with pytest.raises(RuntimeError, match="failed part-way .*injected failure.*raised at .* in failing"):
+            opt.step()
+        dropped = weakref.ref(opt)
+        del opt
+        assert dropped() is None, "the optimizer outlived its last reference"
+    finally:
+        gc.enable()

@@ -81,6 +81,10 @@ class HostState(dict):
             raise RuntimeError(RESET_MESSAGE)
         dict.__setitem__(self, key, value)
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError("opt.state holds views into the optimizer's pinned host buffers and cannot be copied or "
+                        "pickled: copy opt.state_dict() instead")
+
     def expose(self, key, value: "ParamState | None") -> None:
         """The optimizer's own bookkeeping: show ``value`` as the param's state (None: none)."""
         if value is None:

@@ -153,6 +153,7 @@ class UpdateInFlight:
             return stats
         finally:
             self._written = {}
+            future = None  # it holds a failed update's error, whose traceback holds this frame: no cycle
 
     def close(self) -> None:
         """Stop the thread once its update has ended; not waiting when called on that thread itself (the
