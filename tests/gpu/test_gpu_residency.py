@@ -89,7 +89,7 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     numel = sum(p.numel() for p in model.parameters())
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    # "offload": the schedule the second run's "auto" plans like (no residents), to measure the need by
+    # every state on the host here ("offload"): the need is measured without residents to subtract
     with DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="offload", max_grad_norm=1.0) as opt:
         ref = ReferenceAdamW(opt)
         _train(model, opt, ref, seed, steps=3)  # what forward + backward + the reference take
