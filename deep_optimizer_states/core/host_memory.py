@@ -93,9 +93,10 @@ def check_host_capacity(needed_bytes: int, what: str) -> int | None:
     """Raise MemoryError before allocating when the host cannot hold ``needed_bytes``.
 
     Returns the available bytes (None when unknown), so callers can report both numbers. When short, a
-    garbage collection runs first and the reading is taken again: an optimizer dropped without ``close()``
-    keeps its pinned buffers until the collector frees its reference cycles, and a new one built in its
-    place must not fail for memory that is no longer used.
+    garbage collection runs first and the reading is taken again: an optimizer dropped inside a reference
+    cycle (a user's object that holds it and is held by it; torch keeps a process's first optimizer so too)
+    keeps its pinned buffers until the collector runs, and a new one built in its place must not fail for
+    memory that is no longer used.
     """
     available = available_host_bytes()
     if available is not None and needed_bytes > available:
