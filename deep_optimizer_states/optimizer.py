@@ -163,7 +163,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.residents = Residents(self.device)
         self.prefetch = Prefetch(self.device) if prefetch else None
         self._order_ahead: list | None = None  # this step's staged subgroups, in the order the update takes them
-        self._residents_ahead = 0  # bytes of this step's planned residents
+        self._room_ahead = 0  # this step's GPU bytes for them
         self.residents.before_evict = _weak(self._note_eviction)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
@@ -405,14 +405,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             staged = [sg for sg, place in pairs if place is Placement.STAGED and sg not in self.residents]
             last = len(self._need_order)
             self._order_ahead = sorted(staged, key=lambda sg: self._need_order.get(sg.index, last))
-            # the plan's residents, some of which the update may admit only then
-            self._residents_ahead = RESIDENT_BYTES_PER_ELEMENT * sum(sg.numel for sg, place in pairs
-                                                                     if place is Placement.RESIDENT)
-        if not self.prefetch.pending(self._order_ahead):
-            return
-        room = self.planner.room_ahead(max(self.residents.bytes(), self._residents_ahead), self.prefetch.bytes())
-        if room > 0:
-            self.prefetch.top_up(self._order_ahead, room, self.planner.budget.note_fill)
+            # the plan's residents count, some of which the update may admit only then; read once (the
+            # budget's readings cost far more than a hook may, and the room is set by the measured need)
+            planned = RESIDENT_BYTES_PER_ELEMENT * sum(sg.numel for sg, place in pairs if place is Placement.RESIDENT)
+            self._room_ahead = self.planner.room_ahead(max(self.residents.bytes(), planned), 0)
+        if self.prefetch.pending(self._order_ahead):
+            self.prefetch.top_up(self._order_ahead, self._room_ahead - self.prefetch.step_bytes,
+                                 self.planner.budget.note_fill)
 
     def _drop_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
         """Forget the slots filled ahead (of ``subgroups``, else all): the host copy may change, or the step

@@ -316,3 +316,12 @@ def test_a_plan_made_again_at_the_step_drops_the_slots_filled_for_the_old_one():
             assert filled == [staged, staged, 0, staged]
         runs.append(_masters(model, opt))
     _assert_same(*runs)
+
+
+def test_the_room_is_read_once_a_step_not_at_every_gradient():
+    """The budget's readings (device memory queries) cost more than a backward hook may: once a step."""
+    model, opt = _build(True, "llama")
+    calls = []
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: calls.append(1) or UNLIMITED
+    _train(model, opt, steps=3)
+    assert len(calls) == 3 and len(list(model.parameters())) > 3
