@@ -61,16 +61,17 @@ class Prefetch:
     def top_up(self, order: Sequence[Subgroup], room: int, before_fill: Callable[[int], None] | None = None) -> int:
         """Fill slots for the next subgroups of ``order`` (the same list all step), in that order, while
         their slots fit in ``room`` bytes (the first that does not fit ends it: the update takes them in
-        this order); ``before_fill(step_bytes)`` is told before each slot is allocated. Returns how many
-        were added. A slot comes from the caller's stream (backward's), whose queued kernels may still use
-        the block the allocator hands out: the copies wait for them."""
+        this order); ``before_fill(step_bytes)`` is told before the first slot of this call is allocated
+        (within one call only these allocations can move the allocator's peak). Returns how many were
+        added. A slot comes from the caller's stream (backward's), whose queued kernels may still use the
+        block the allocator hands out: the copies wait for them."""
         added = 0
         while self._next < len(order):
             sg = order[self._next]
             need = SLOT_BYTES * sg.numel
             if need > room:
                 break
-            if before_fill is not None:
+            if before_fill is not None and not added:
                 before_fill(self.step_bytes)
             try:
                 p, g, m, v = torch.empty(4, sg.numel, dtype=torch.float32, device=self.device).unbind(0)

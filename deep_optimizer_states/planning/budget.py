@@ -132,14 +132,16 @@ class MemoryBudget:
         return next((held for at, held in self._evictions if at == peak), held_now)
 
     def note_fill(self, filled: int) -> None:
-        """A slot is about to be filled ahead of the update, ``filled`` bytes of them allocated this step so far."""
+        """Slots are about to be filled ahead of the update, ``filled`` bytes of them allocated this step so
+        far (told once per batch of fills: within a batch only their allocations move the peak, and the
+        batch's last one reaches it, with all of them held)."""
         if self.active:
             self._fills.append((self.probe.peak(), filled))
 
     def filled_at_peak(self, filled_now: int) -> int:
         """The bytes filled ahead (this step's, dropped ones too) held when the allocator reached its peak:
-        those allocated before the first fill after which the peak has not moved (the peak came before that
-        fill's slot, with the earlier ones held), else ``filled_now`` (it came after every fill). Counted
+        those allocated before the first batch of fills after which the peak has not moved (the peak came
+        before that batch, with the earlier ones held), else ``filled_now`` (it came after every batch). Counted
         out of the need, as the residents held then are: what forward and backward reached on top of them
         is still measured."""
         peak = self.probe.peak() if self.active else None
