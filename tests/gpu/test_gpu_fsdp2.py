@@ -33,6 +33,14 @@ def test_streamed_gradients_under_fsdp2_on_two_gpus(schedule):
     assert out.count("6 steps equal torch AdamW") == 2 and out.count("equal bit for bit") == 2
 
 
+def test_states_filled_ahead_under_fsdp2_on_two_gpus():
+    """prefetch=True: the fills start from the hooks FSDP2 runs on its reduce-scatter stream; bit for bit
+    the run without, and equal to torch AdamW."""
+    out = torchrun(2, "train", "--steps", "6", "--schedule", "mixed", "--stream", "--fill-ahead", "--device", "cuda")
+    assert out.count("6 steps equal torch AdamW") == 2 and out.count("equal bit for bit") == 2
+    assert out.count("staged subgroups filled during backward") == 2
+
+
 def test_mixed_precision_policy_on_two_gpus():
     out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed", "--device", "cuda")
     assert out.count("4 mixed-precision steps equal torch AdamW") == 2
