@@ -1,13 +1,18 @@
 """Host buffers: sizes, zero-fill, the page-aligned chunks they are faulted in and registered by, the
 capacity check and the progress bar's threshold. CPU only and fast, except the GPU-marked pinning tests."""
 
+import contextlib
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
 
+from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core import host_memory as hm
 from deep_optimizer_states.core.host_memory import HostSpec
+from tests.harness import loss_of, mlp
 
 PAGE = hm.PAGE_BYTES
 ODD_SIZES = [0, 1, 2, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE - 1, 17 * PAGE + 5, 1000 * PAGE + 3]
@@ -251,24 +256,28 @@ def test_a_failed_pinning_fallback_unregisters_the_buffers_registered_before(mon
     monkeypatch.setattr(torch, "empty", empty)
     with pytest.raises(MemoryError, match="cannot pin .*ulimit -l"):
         hm.host_empty_many([HostSpec(1 << 20, torch.float32)] * 4, pin=True)
-    import gc
-
     gc.collect()
     assert sorted(unregistered) == sorted(registered[:1] + registered[2:])
+
+
+@contextlib.contextmanager
+def _no_collection():
+    """The garbage collector off inside (the test decides when it runs), after torch's one-off keeping of
+    a process's first optimizer until a collection (its own optimizers too) is out of the way."""
+    torch.optim.AdamW(mlp().parameters())
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def test_an_optimizer_dropped_without_close_does_not_block_the_next_one(monkeypatch):
     """An optimizer dropped without close() inside a reference cycle (a user's object holding it and held
     by it) keeps its pinned buffers until the garbage collector runs; the next one's capacity check
     collects first instead of failing for that memory."""
-    import gc
-    import weakref
-
-    from deep_optimizer_states import DeepOptimizerStates
-    from tests.harness import mlp
-
-    gc.disable()  # the test decides when the collector runs
-    try:
+    with _no_collection():
         opt = DeepOptimizerStates(mlp(torch.float32, "cpu", seed=1), lr=1e-3)
         opt.trainer = {"optimizer": opt}
         dropped = weakref.ref(opt)
@@ -280,8 +289,6 @@ def test_an_optimizer_dropped_without_close_does_not_block_the_next_one(monkeypa
         with pytest.raises(MemoryError, match="not enough host memory"):  # short for real: still refused
             monkeypatch.setattr(hm, "available_host_bytes", lambda: 0)
             DeepOptimizerStates(mlp(torch.float32, "cpu", seed=3), lr=1e-3)
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"stream_grads": True}, {"overlap": True},
@@ -290,15 +297,7 @@ def test_an_optimizer_dropped_without_close_does_not_block_the_next_one(monkeypa
 def test_dropping_the_optimizer_frees_it_at_once(kwargs):
     """As with a torch optimizer: no reference cycle of its own keeps it (and its pinned buffers) alive
     until a garbage collection, also after its states were read and a state_dict taken."""
-    import gc
-    import weakref
-
-    from deep_optimizer_states import DeepOptimizerStates
-    from tests.harness import loss_of, mlp
-
-    torch.optim.AdamW(mlp().parameters())  # torch keeps the first optimizer of a process until a collection
-    gc.disable()
-    try:
+    with _no_collection():
         model = mlp(torch.float32, "cpu", seed=1)
         opt = DeepOptimizerStates(model, lr=1e-3, **kwargs)
         loss_of(model, torch.Generator().manual_seed(0)).backward()
@@ -309,8 +308,6 @@ def test_dropping_the_optimizer_frees_it_at_once(kwargs):
         dropped = weakref.ref(opt)
         del opt
         assert dropped() is None, "the optimizer outlived its last reference"
-    finally:
-        gc.enable()
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -318,19 +315,12 @@ def test_an_optimizer_whose_update_failed_is_freed_at_once_too(monkeypatch, over
     """The failed update's error is kept as text (with where it was raised): the exception would keep its
     traceback's frames, and the optimizer in them, alive after the user drops it (after an out-of-memory
     error, say, to build a smaller one)."""
-    import gc
-    import weakref
-
-    from deep_optimizer_states import DeepOptimizerStates
     from deep_optimizer_states.core import engine
-    from tests.harness import loss_of, mlp
 
     def failing(*args, **kwargs):
         raise RuntimeError("injected failure in the update")
 
-    torch.optim.AdamW(mlp().parameters())  # torch keeps the first optimizer of a process until a collection
-    gc.disable()
-    try:
+    with _no_collection():
         model = mlp(torch.float32, "cpu", seed=1)
         opt = DeepOptimizerStates(model, lr=1e-3, schedule="cpu", overlap=overlap)
         monkeypatch.setattr(engine, "adam_update", failing)
@@ -343,5 +333,3 @@ def test_an_optimizer_whose_update_failed_is_freed_at_once_too(monkeypatch, over
         dropped = weakref.ref(opt)
         del opt
         assert dropped() is None, "the optimizer outlived its last reference"
-    finally:
-        gc.enable()
