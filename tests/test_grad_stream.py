@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
-from deep_optimizer_states.core import engine
 from tests.harness import loss_of, mlp, tiny_llama
 
 
@@ -140,27 +139,6 @@ def test_a_module_used_twice_and_a_param_without_a_gradient():
             assert torch.equal(o1.master(p1), o2.master(p2))
     assert "step" not in o1.state[m1.unused.weight], "a param without a gradient is left alone, as torch does"
     assert int(o1.state[m1.a.weight]["step"]) == 4
-
-
-@pytest.mark.parametrize("chunk", [64, 1 << 20], ids=["chunks_of_64", "one_chunk"])
-def test_the_host_multiplies_and_adamw_chunk_by_chunk_change_no_bit(chunk, monkeypatch):
-    """Clipping and unscaling a streamed gradient on the host run chunk by chunk with AdamW (the scaled chunk
-    still in cache): the same bits as the gradients multiplied on the device and AdamW over the whole span,
-    with subgroups that end mid-chunk and spans cut by a param without a gradient."""
-    monkeypatch.setattr(engine, "CPU_CHUNK", chunk)
-    _lockstep(tiny_llama, micro=2, max_norm=0.05, schedule="cpu", subgroup_size=3001, lr=1e-2)
-    (m1, o1), (m2, o2) = _pair(mlp(torch.float16), schedule="cpu", subgroup_size=777, lr=1e-3, loss_scale=64.0,
-                               max_grad_norm=0.01)
-    gen1, gen2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    for step in range(3):
-        for m, o, gen in ((m1, o1, gen1), (m2, o2, gen2)):
-            o.zero_grad()
-            o.scale_loss(loss_of(m, gen)).backward()
-            o.step()
-        assert o1.last_grad_norm > 0.01, "the clip applies"
-        for p1, p2 in zip(m1.parameters(), m2.parameters()):
-            assert torch.equal(o1.master(p1), o2.master(p2)), f"step {step}: masters differ"
-    test_a_module_used_twice_and_a_param_without_a_gradient()
 
 
 def test_stream_grads_must_be_a_bool():

@@ -47,10 +47,6 @@ GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead 
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
 # slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
-# Elements per CPU AdamW call when a streamed gradient is scaled on the host first (clip, unscale): the scaled
-# chunk (4 MB) is still in cache when AdamW reads it, instead of one more pass over the subgroup through host
-# memory, the CPU path's limit. A multiple of the kernel's vector width: chunked equals whole, bit for bit.
-CPU_CHUNK = 1 << 20
 
 
 @dataclass
@@ -67,17 +63,10 @@ class Job:
         """The spans to update: params without a gradient are left out, as torch leaves them alone."""
         return self.runs if self.runs is not None else [(0, self.subgroup.numel, self.steps_done)]
 
-    def adam(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-             multipliers: Sequence[torch.Tensor] = ()) -> None:
-        """AdamW over this job's spans of flat p/g/m/v (host buffers or a staging slot), ``g`` multiplied in
-        place by ``multipliers`` first, chunk by chunk (``CPU_CHUNK``)."""
+    def adam(self, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
+        """AdamW over this job's spans of flat p/g/m/v (host buffers or a staging slot)."""
         for a, b, steps in self.spans():
-            step = CPU_CHUNK if multipliers else max(b - a, 1)
-            for c in range(a, b, step):
-                d = min(b, c + step)
-                for x in multipliers:
-                    g[c:d].mul_(x)
-                adam_update(p[c:d], g[c:d], m[c:d], v[c:d], steps, self.hyper)
+            adam_update(p[a:b], g[a:b], m[a:b], v[a:b], steps, self.hyper)
 
 
 @dataclass
@@ -324,8 +313,10 @@ class Engine:
         sg = job.subgroup
         feed.landed(index).synchronize()
         t0 = time.perf_counter()
-        # streamed during backward, unscaled: the same fp32 multiplies, here
-        job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq, on_host if sg.index in feed.streamed else ())
+        if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies, here
+            for m in on_host:
+                sg.grad32.mul_(m)
+        job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
         t1 = time.perf_counter()
         self._cpu_adam_seconds += t1 - t0
         self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
