@@ -115,6 +115,45 @@ def test_tied_weights_and_a_forward_out_of_registration_order(slow_adam):
     _assert_same(model, ours, twin, ref)
 
 
+class _ReadsTheHead(nn.Module):
+    """Reads its head's params in its own code and never calls the head (registered last: written last)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64))
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return nn.functional.linear(self.body(x), self.head.weight, self.head.bias).pow(2).mean()
+
+
+@pytest.mark.parametrize("schedule", ["cpu", "mixed"], ids=str)
+def test_params_read_without_calling_their_module_are_waited_for(slow_adam, schedule):
+    """Learned in the first forward: the head never ran, so every later forward waits for its params first
+    (and the update writes them first). Without that, the forward reads the head while the update, slowed
+    down, is still writing it."""
+    model = _ReadsTheHead()
+    twin = copy.deepcopy(model)
+    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=700, overlap=o)
+                 for m, o in ((model, True), (twin, False)))
+    for opt in (ours, ref):
+        _schedule(opt, schedule)
+    head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
+    gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    for step in range(5):
+        losses = []
+        for m, o, gen in zip((model, twin), (ours, ref), gens):
+            o.zero_grad()
+            loss = m(torch.randn(8, 16, generator=gen))
+            losses.append(loss.detach().clone())
+            loss.backward()
+            o.step()
+        assert torch.equal(*losses), f"step {step}: the forward read the head before the update wrote it"
+    _assert_same(model, ours, twin, ref)
+    assert sorted(ours._need_order, key=ours._need_order.get)[: len(head)] == sorted(head), "written first"
+
+
 def test_reads_between_steps_wait_for_the_update(slow_adam):
     """opt.state, opt.state_dict(), model.state_dict() and an evaluation forward, right after step():
     each sees the finished update."""

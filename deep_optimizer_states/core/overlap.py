@@ -170,7 +170,8 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
       FSDP2 that is each module with a forward of its own, for its own params and those of its children
       without one (``nn.ParameterList``, ``nn.ParameterDict``), which only it can read; under FSDP2 each
       ``fully_shard`` unit, whose own pre-hook all-gathers its shards (and those of the units it prefetches)
-      on a stream of its own, so ours runs first and waits on the host;
+      on a stream of its own, so ours runs first and waits on the host; without FSDP2, also a wait at the
+      model's forward for the params of modules that never ran in its first forward (``_FirstForward``);
     - without FSDP2, a gradient hook per param that makes a backward wait the same way before autograd
       accumulates into a gradient the update may still read (after a forward it has waited already; a
       backward through a retained graph has not). FSDP2 writes sharded gradients itself, after the
@@ -199,8 +200,10 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         order = [own[_state_key(m)] for m in units]
     else:
         order = []
-        for m, indices in _reader_params(model, subgroups):
-            handles.append(m.register_forward_pre_hook(lambda *args, i=indices: wait(i, False), prepend=True))
+        readers = _reader_params(model, subgroups)
+        first = _FirstForward(model, readers, wait, need, ref, handles)
+        for m, indices in readers:
+            handles.append(m.register_forward_pre_hook(_module_waits(m, indices, first, wait), prepend=True))
             order.append(indices)
         for b in layout.buckets:
             for i, p in enumerate(b.params):
@@ -215,6 +218,62 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
     if "torch._dynamo" in sys.modules:  # torch.compile does not guard on module hooks (by default): a graph
         torch._dynamo.reset()  # compiled before these existed would run without the waits; compile again
     return handles, need
+
+
+def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward", wait: Callable) -> Callable:
+    """A module's pre-forward wait for the subgroups of the params only it can read."""
+    def hook(*args: Any) -> None:
+        first.saw(module)
+        wait(indices, False)
+    return hook
+
+
+class _FirstForward:
+    """Learns from the model's first forward which modules holding params never ran in it: their params, if
+    read at all, are read by another module's code (``F.linear(x, self.head.weight)`` with ``head`` never
+    called), which their own waits never cover. From then on the model's forward waits for those subgroups
+    before anything else, and the update writes them first. The first forward itself runs with no update
+    left running. A module whose params another module reads although it ran too (after the read) is not
+    caught; nor are reads outside the model's forward (``opt.synchronize()`` covers those)."""
+
+    def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]], wait: Callable,
+                 need: dict[int, int], ref: Callable[[], Any], handles: list) -> None:
+        self.model, self.readers, self.wait, self.need, self.ref = model, readers, wait, need, ref
+        self.handles = handles  # the optimizer's: the wait this adds is removed with the others
+        self.fired: set[int] = set()
+        self.active = False
+        self._own = [model.register_forward_pre_hook(self._begin, prepend=True),
+                     model.register_forward_hook(self._end)]
+        handles.extend(self._own)
+
+    def saw(self, module: nn.Module) -> None:
+        """A reader module's forward began (its pre-hook)."""
+        if self.active:
+            self.fired.add(id(module))
+
+    def _begin(self, *args: Any) -> None:
+        opt = self.ref()
+        if opt is not None:
+            opt.synchronize()  # this forward runs before the waits it teaches exist
+        self.fired.clear()  # a first forward that raised left it half-filled: learn again
+        self.active = True
+
+    def _end(self, *args: Any) -> None:
+        if not self.active:
+            return
+        self.active = False
+        for h in self._own:
+            h.remove()
+        ran = self.fired | {id(self.model)}
+        unread = frozenset().union(*(i for m, i in self.readers if id(m) not in ran))
+        if not unread:
+            return
+        self.handles.append(self.model.register_forward_pre_hook(lambda *args: self.wait(unread, False),
+                                                                 prepend=True))
+        rest = [i for i in sorted(self.need, key=self.need.get) if i not in unread]
+        self.need.clear()
+        for i in [*sorted(unread), *rest]:
+            self.need[i] = len(self.need)
 
 
 def _runs_forward(module: nn.Module) -> bool:
