@@ -20,12 +20,12 @@ from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norm
 from .core.grad_stream import GradStream
 from .core.host_state import RESET_MESSAGE, HostState, ParamState
 from .core.lanes import current_point
-from .core.layout import Layout, Subgroup, local
+from .core.layout import Layout, Subgroup, local, subgroup_count
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
-from .core.schedule import Placement, Schedule, validate_schedule
+from .core.schedule import Placement, Schedule, placements, validate_schedule
 from .planning.budget import CudaProbe, MemoryBudget, validate_budget
 from .planning.plan import Plan, Planner
 
@@ -152,6 +152,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if overlap and self.module is None:
             raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
                              "pass the model itself as the first argument, or as model= beside param groups")
+        if isinstance(schedule, (list, tuple)):  # its length, before the host memory is pinned
+            placements(validate_schedule(schedule), subgroup_count(trainable, subgroup_size))
         threads = cpu_threads_per_rank(cpu_threads)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)

@@ -139,6 +139,7 @@ def test_placements_for_each_schedule():
 
 
 @pytest.mark.parametrize("kwargs,message", [({"schedule": "GPU"}, "schedule"),
+                                            ({"schedule": ["cpu", "staged"]}, "2 placements for 3 subgroups"),
                                             ({"gpu_memory_budget": 2.0}, "gpu_memory_budget")])
 def test_a_bad_schedule_or_budget_is_refused_before_host_memory_is_pinned(kwargs, message, monkeypatch):
     from deep_optimizer_states.core import layout
@@ -146,9 +147,14 @@ def test_a_bad_schedule_or_budget_is_refused_before_host_memory_is_pinned(kwargs
     def no_pinning(*args, **kw):
         raise AssertionError("host buffers were allocated before the bad value was refused")
 
-    monkeypatch.setattr(layout, "host_empty_many", no_pinning)
-    with pytest.raises(ValueError, match=message):
-        DeepOptimizerStates(mlp(), **kwargs)
+    model = mlp()
+    with monkeypatch.context() as patch:
+        patch.setattr(layout, "host_empty_many", no_pinning)
+        with pytest.raises(ValueError, match=message):
+            DeepOptimizerStates(model, subgroup_size=5000, **kwargs)
+    count = len(DeepOptimizerStates(model, subgroup_size=5000).layout.subgroups)
+    assert count == 3, "the count checked before pinning is the layout's"
+    DeepOptimizerStates(model, subgroup_size=5000, schedule=["cpu", "staged", "cpu"])
 
 
 def test_params_sharing_memory_are_refused_and_disjoint_views_are_not():

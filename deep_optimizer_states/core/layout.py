@@ -140,6 +140,12 @@ def _split(numel: int, subgroup_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, numel)) for s in range(0, numel, step)]
 
 
+def subgroup_count(groups: list[tuple[list[torch.Tensor], list[str]]], subgroup_size: int) -> int:
+    """How many subgroups a ``Layout`` of these groups will have, known before any host memory is pinned."""
+    totals = [sum(local(p).numel() for p in params) for params, _ in groups]
+    return sum(len(_split(n, subgroup_size)) for n in totals if n)
+
+
 def _pieces(bucket: Bucket, start: int, end: int) -> list[Piece]:
     """The params' elements in [start, end) of the bucket (from the first param that reaches ``start``)."""
     out = []
