@@ -230,6 +230,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_prefetch": ours("offload", stream_grads=True, overlap=True, prefetch=True),
     "ours_offload_overlap_clip_prefetch": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP,
                                                prefetch=True),
+    "ours_offload_overlap_gathered": ours("offload", overlap=True),  # gradients sent at the update, clip on the GPU
+    "ours_offload_overlap_clip_gathered": ours("offload", overlap=True, max_grad_norm=CLIP),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),
