@@ -233,18 +233,17 @@ class _FirstForward:
     read at all, are read by another module's code (``F.linear(x, self.head.weight)`` with ``head`` never
     called), which their own waits never cover. From then on the model's forward waits for those subgroups
     before anything else, and the update writes them first. The first forward itself runs with no update
-    left running. A module whose params another module reads although it ran too (after the read) is not
-    caught; nor are reads outside the model's forward (``opt.synchronize()`` covers those)."""
+    left running. Its hooks stay for good (a compiled forward does not see hooks added later). A module
+    whose params another module reads although it ran too (after the read) is not caught; nor are reads
+    outside the model's forward (``opt.synchronize()`` covers those)."""
 
     def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]], wait: Callable,
                  need: dict[int, int], ref: Callable[[], Any], handles: list) -> None:
         self.model, self.readers, self.wait, self.need, self.ref = model, readers, wait, need, ref
-        self.handles = handles  # the optimizer's: the wait this adds is removed with the others
         self.fired: set[int] = set()
-        self.active = False
-        self._own = [model.register_forward_pre_hook(self._begin, prepend=True),
-                     model.register_forward_hook(self._end)]
-        handles.extend(self._own)
+        self.unread: frozenset = frozenset()
+        self.active = self.done = False
+        handles += [model.register_forward_pre_hook(self._begin, prepend=True), model.register_forward_hook(self._end)]
 
     def saw(self, module: nn.Module) -> None:
         """A reader module's forward began (its pre-hook)."""
@@ -252,6 +251,9 @@ class _FirstForward:
             self.fired.add(id(module))
 
     def _begin(self, *args: Any) -> None:
+        if self.done:
+            self.wait(self.unread, False)
+            return
         opt = self.ref()
         if opt is not None:
             opt.synchronize()  # this forward runs before the waits it teaches exist
@@ -259,20 +261,14 @@ class _FirstForward:
         self.active = True
 
     def _end(self, *args: Any) -> None:
-        if not self.active:
+        if self.done or not self.active:
             return
-        self.active = False
-        for h in self._own:
-            h.remove()
+        self.active, self.done = False, True
         ran = self.fired | {id(self.model)}
-        unread = frozenset().union(*(i for m, i in self.readers if id(m) not in ran))
-        if not unread:
-            return
-        self.handles.append(self.model.register_forward_pre_hook(lambda *args: self.wait(unread, False),
-                                                                 prepend=True))
-        rest = [i for i in sorted(self.need, key=self.need.get) if i not in unread]
+        self.unread = frozenset().union(*(i for m, i in self.readers if id(m) not in ran))
+        rest = [i for i in sorted(self.need, key=self.need.get) if i not in self.unread]
         self.need.clear()
-        for i in [*sorted(unread), *rest]:
+        for i in [*sorted(self.unread), *rest]:
             self.need[i] = len(self.need)
 
 
