@@ -128,22 +128,25 @@ class _ReadsTheHead(nn.Module):
         return nn.functional.linear(self.body(x), self.head.weight, self.head.bias).pow(2).mean()
 
 
-@pytest.mark.parametrize("schedule", ["cpu", "mixed"], ids=str)
-def test_params_read_without_calling_their_module_are_waited_for(slow_adam, schedule):
+@pytest.mark.parametrize("schedule,compiled", [("cpu", False), ("mixed", False), ("cpu", True)],
+                         ids=["cpu", "mixed", "cpu_compiled"])
+def test_params_read_without_calling_their_module_are_waited_for(slow_adam, schedule, compiled):
     """Learned in the first forward: the head never ran, so every later forward waits for its params first
     (and the update writes them first). Without that, the forward reads the head while the update, slowed
-    down, is still writing it."""
+    down, is still writing it. Compiled (aot_eager) after the optimizer was built, too."""
+    torch._dynamo.reset()
     model = _ReadsTheHead()
     twin = copy.deepcopy(model)
     ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=700, overlap=o)
                  for m, o in ((model, True), (twin, False)))
     for opt in (ours, ref):
         _schedule(opt, schedule)
+    calls = [torch.compile(m, backend="aot_eager") if compiled else m for m in (model, twin)]
     head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
     gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     for step in range(5):
         losses = []
-        for m, o, gen in zip((model, twin), (ours, ref), gens):
+        for m, o, gen in zip(calls, (ours, ref), gens):
             o.zero_grad()
             loss = m(torch.randn(8, 16, generator=gen))
             losses.append(loss.detach().clone())
