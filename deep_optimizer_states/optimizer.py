@@ -25,7 +25,7 @@ from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
-from .core.schedule import Placement, Schedule, placements, validate_schedule
+from .core.schedule import Placement, Schedule, validate_schedule
 from .planning.budget import CudaProbe, MemoryBudget, validate_budget
 from .planning.plan import Plan, Planner
 
@@ -152,8 +152,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if overlap and self.module is None:
             raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
                              "pass the model itself as the first argument, or as model= beside param groups")
-        if isinstance(schedule, (list, tuple)):  # its length, before the host memory is pinned
-            placements(validate_schedule(schedule), subgroup_count(trainable, subgroup_size))
+        if isinstance(schedule, (list, tuple)):  # its length, before the host memory is pinned; all ranks raise
+            count = subgroup_count(trainable, subgroup_size)
+            if RankSync(self.group, self.device).anyone(len(schedule) != count):
+                raise ValueError(f"the schedule gives {len(schedule)} placements for {count} subgroups"
+                                 f"{' here, but not on another rank' if len(schedule) == count else ''}: give one per "
+                                 "subgroup of this rank (len(opt.layout.subgroups))")
         threads = cpu_threads_per_rank(cpu_threads)
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)

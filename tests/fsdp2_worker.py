@@ -312,10 +312,24 @@ def calibrate_mode(out: str) -> None:
                    "stored": stored.as_dict()}, f)
 
 
+def bad_schedule_mode() -> None:
+    """Rank 1's per-subgroup schedule is one too long, rank 0's is right: every rank refuses it, none waits
+    at the host-memory barrier for the other."""
+    from deep_optimizer_states.core.layout import subgroup_count
+
+    model = shard(make_model())
+    count = subgroup_count([([p for p in model.parameters()], [])], 97)
+    length = count + (dist.get_rank() == 1)
+    try:
+        DeepOptimizerStates(model, subgroup_size=97, schedule=["cpu"] * length)
+    except ValueError as e:
+        print(f"REFUSED rank {dist.get_rank()}: {e}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite",
-                                     "overlap"])
+                                     "overlap", "bad_schedule"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -340,6 +354,8 @@ def main() -> None:
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
         elif args.mode == "calibrate":
             calibrate_mode(args.out)
+        elif args.mode == "bad_schedule":
+            bad_schedule_mode()
         elif args.mode == "mixed_precision":
             mixed_precision_mode(args.steps, schedule)
         elif args.mode == "nonfinite":

@@ -79,6 +79,12 @@ def test_overlap_under_fsdp2_equals_the_synchronous_run(ranks, schedule, stream,
     assert out.count("overlapped, 4 steps equal the synchronous run bit for bit") == ranks
 
 
+def test_a_schedule_of_the_wrong_length_on_one_rank_is_refused_on_every_rank():
+    out = torchrun(2, "bad_schedule")
+    assert "REFUSED rank 0" in out and "here, but not on another rank" in out
+    assert re.search(r"REFUSED rank 1: the schedule gives (\d+) placements for (?!\1)\d+ subgroups", out), out
+
+
 def test_mixed_precision_policy_shards_match_torch_adamw():
     """torchtitan's setting: fp32 sharded params, bf16 all-gather and compute, fp32 reduce-scatter."""
     out = torchrun(2, "mixed_precision", "--steps", "4", "--schedule", "mixed")

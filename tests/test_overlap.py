@@ -116,16 +116,16 @@ def test_tied_weights_and_a_forward_out_of_registration_order(slow_adam):
 
 
 class _ReadsTheHead(nn.Module):
-    """Reads its head's params in its own code and never calls the head (registered last: written last)."""
+    """Reads its head's params first, in its own code, and never calls the head (registered last)."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64))
-        self.head = nn.Linear(64, 64)
+        self.head = nn.Linear(16, 16)
 
     def forward(self, x):
-        return nn.functional.linear(self.body(x), self.head.weight, self.head.bias).pow(2).mean()
+        return self.body(nn.functional.linear(x, self.head.weight, self.head.bias)).pow(2).mean()
 
 
 @pytest.mark.parametrize("schedule,compiled", [("cpu", False), ("mixed", False), ("cpu", True)],
@@ -141,18 +141,19 @@ def test_params_read_without_calling_their_module_are_waited_for(slow_adam, sche
                  for m, o in ((model, True), (twin, False)))
     for opt in (ours, ref):
         _schedule(opt, schedule)
-    calls = [torch.compile(m, backend="aot_eager") if compiled else m for m in (model, twin)]
     head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
-    gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
-    for step in range(5):
-        losses = []
-        for m, o, gen in zip(calls, (ours, ref), gens):
+    losses = []
+    for m, o in ((model, ours), (twin, ref)):  # ours to the end first: its forward meets each update running
+        call, gen, run = torch.compile(m, backend="aot_eager") if compiled else m, torch.Generator().manual_seed(1), []
+        for _ in range(5):
             o.zero_grad()
-            loss = m(torch.randn(8, 16, generator=gen))
-            losses.append(loss.detach().clone())
+            loss = call(torch.randn(8, 16, generator=gen))
+            run.append(loss.detach().clone())
             loss.backward()
             o.step()
-        assert torch.equal(*losses), f"step {step}: the forward read the head before the update wrote it"
+        losses.append(run)
+    for step, (a, b) in enumerate(zip(*losses)):
+        assert torch.equal(a, b), f"step {step}: the forward read the head before the update wrote it"
     _assert_same(model, ours, twin, ref)
     assert sorted(ours._need_order, key=ours._need_order.get)[: len(head)] == sorted(head), "written first"
 

@@ -233,9 +233,12 @@ class _FirstForward:
     read at all, are read by another module's code (``F.linear(x, self.head.weight)`` with ``head`` never
     called), which their own waits never cover. From then on the model's forward waits for those subgroups
     before anything else, and the update writes them first. The first forward itself runs with no update
-    left running. Its hooks stay for good (a compiled forward does not see hooks added later). A module
-    whose params another module reads although it ran too (after the read) is not caught; nor are reads
-    outside the model's forward (``opt.synchronize()`` covers those)."""
+    left running (an error of the update before it is raised there). Its hooks stay for good (a compiled
+    forward does not see hooks added later). Not caught: a module whose params another module reads
+    although it ran too (after the read), reads outside the model's forward (``opt.synchronize()`` covers
+    those), and training that never calls the model itself (only a submodule of it). What is learned is
+    kept: a module skipped in the first forward only (an MoE expert without tokens) is waited for first
+    at every forward, which costs overlap, not exactness."""
 
     def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]], wait: Callable,
                  need: dict[int, int], ref: Callable[[], Any], handles: list) -> None:
@@ -250,6 +253,10 @@ class _FirstForward:
         if self.active:
             self.fired.add(id(module))
 
+    def __deepcopy__(self, memo: dict) -> "_FirstForward":
+        """A deep copy of the model (an EMA copy) keeps calling the original's hooks, as its other waits do."""
+        return self
+
     def _begin(self, *args: Any) -> None:
         if self.done:
             self.wait(self.unread, False)
@@ -257,8 +264,7 @@ class _FirstForward:
         opt = self.ref()
         if opt is not None:
             opt.synchronize()  # this forward runs before the waits it teaches exist
-        self.fired.clear()  # a first forward that raised left it half-filled: learn again
-        self.active = True
+        self.active = True  # after a first forward that raised, this one adds to what that one saw
 
     def _end(self, *args: Any) -> None:
         if self.done or not self.active:
