@@ -362,11 +362,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         if p is None:
             self._drop_ahead()
-        elif id(p) in self.layout.where:
-            self._drop_ahead(self.layout.subgroups_of(*self.layout.where[id(p)]))
-        if not len(self.residents):
-            return
-        if p is None:
             self.residents.evict()
         elif id(p) in self.layout.where:
             self._evict_param(*self.layout.where[id(p)])
@@ -396,7 +391,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         return self.plan.placements[index] is Placement.CPU
 
     def _evict_param(self, bucket, i: int) -> None:
-        self._drop_ahead(self.layout.subgroups_of(bucket, i))  # a master is about to be written
+        self._drop_ahead(self.layout.subgroups_of(bucket, i))  # its host states are about to be read or written
         if len(self.residents):
             self.residents.evict(only={sg.index for sg in self.layout.subgroups_of(bucket, i)})
 

@@ -28,20 +28,23 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .adam import AdamHyper, adam_update
 from .lanes import Lane, Done, current_point
 from .layout import Subgroup
-from .prefetch import Ahead
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
+
+if TYPE_CHECKING:
+    from .prefetch import Ahead
 
 FP32 = torch.float32
 STAGED_BYTES = 12  # PCIe bytes per element, each direction: fp32 master, exp_avg, exp_avg_sq
 CPU_PATH_BYTES = 4  # PCIe bytes per element, each direction: fp32 grad down, fp32 master up
+SLOT_BYTES_PER_ELEMENT = 16  # a staging slot: fp32 param, grad, exp_avg, exp_avg_sq
 GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
 # With two slots, a subgroup's way in waits for the flush of the one two places ahead: a gap per subgroup.
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
@@ -249,7 +252,7 @@ class Engine:
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
         stats.device_bytes = sum(4 * t.numel() for t in (down, up, scratch) if t is not None) + sum(
-            16 * slot.p.numel() for slot in slots)
+            SLOT_BYTES_PER_ELEMENT * slot.p.numel() for slot in slots)
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
         stats.admitted, stats.timeline = len(fresh), timeline

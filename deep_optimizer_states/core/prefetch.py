@@ -20,9 +20,8 @@ from typing import Callable, Sequence
 import torch
 
 from .lanes import Lane, current_point
+from .engine import SLOT_BYTES_PER_ELEMENT
 from .layout import Subgroup
-
-SLOT_BYTES = 16  # per element: fp32 param, grad, exp_avg, exp_avg_sq (the engine's staging slot)
 
 
 @dataclass
@@ -68,7 +67,7 @@ class Prefetch:
         added = 0
         while self._next < len(order):
             sg = order[self._next]
-            need = SLOT_BYTES * sg.numel
+            need = SLOT_BYTES_PER_ELEMENT * sg.numel
             if need > room:
                 break
             if before_fill is not None and not added:
@@ -108,5 +107,5 @@ class Prefetch:
             return False
         self.lane.synchronize()
         for i in out:
-            self._bytes -= SLOT_BYTES * self.ready.pop(i).p.numel()
+            self._bytes -= SLOT_BYTES_PER_ELEMENT * self.ready.pop(i).p.numel()
         return True

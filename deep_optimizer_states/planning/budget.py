@@ -128,8 +128,7 @@ class MemoryBudget:
         before the first eviction after which the peak has not moved (an eviction after backward, by an edit
         or a state read, must not count the evicted states as the model's), else ``held_now`` (the peak came
         after every eviction, or there was none)."""
-        peak = self.probe.peak() if self.active else None
-        return next((held for at, held in self._evictions if at == peak), held_now)
+        return self._at_peak(self._evictions, held_now)
 
     def note_fill(self, filled: int) -> None:
         """Slots are about to be filled ahead of the update, ``filled`` bytes of them allocated this step so
@@ -144,8 +143,13 @@ class MemoryBudget:
         before that batch, with the earlier ones held), else ``filled_now`` (it came after every batch). Counted
         out of the need, as the residents held then are: what forward and backward reached on top of them
         is still measured."""
+        return self._at_peak(self._fills, filled_now)
+
+    def _at_peak(self, notes: list[tuple[int, int]], now: int) -> int:
+        """The bytes noted just before the first event (eviction, batch of fills) after which the allocator's
+        peak has not moved: they were held when it was reached; else ``now``."""
         peak = self.probe.peak() if self.active else None
-        return next((filled for at, filled in self._fills if at == peak), filled_now)
+        return next((held for at, held in notes if at == peak), now)
 
     def new_step(self) -> None:
         """A step is over (taken or skipped): evictions and fills from here on belong to the next one."""

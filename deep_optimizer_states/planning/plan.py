@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from ..core.engine import SLOT_BYTES_PER_ELEMENT
 from ..core.ranks import RankSync
 from ..core.residency import RESIDENT_BYTES_PER_ELEMENT
 from ..core.schedule import MODELLED, Placement, Schedule, placements, validate_schedule
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from ..core.engine import UpdateStats
 
 log = logging.getLogger(__name__)
-SLOT_BYTES_PER_ELEMENT = 16  # fp32 param, grad, exp_avg, exp_avg_sq
 SCRATCH_BYTES_PER_ELEMENT = 8  # the CPU path's fp32 grad and param scratch
 RESIDENT_SCRATCH_BYTES_PER_ELEMENT = 4  # the residents' fp32 grad buffer
 REPLAN_CHANGE = 0.02  # "auto" plans again when a refined rate moved by more than this since the last plan
@@ -245,10 +245,15 @@ class Planner:
             return 0
         if RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes) + RESIDENT_SCRATCH_BYTES_PER_ELEMENT * biggest <= room:
             return len(self.sizes)
-        room -= (SLOT_BYTES_PER_ELEMENT * self.max_slots + SCRATCH_BYTES_PER_ELEMENT
-                 + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
+        room -= self._update_buffers()
         fits = torch.tensor(self.sizes, dtype=torch.int64).cumsum(0) * RESIDENT_BYTES_PER_ELEMENT <= room
         return int(fits.sum())  # the cumulative sum grows: the ones that fit are a prefix
+
+    def _update_buffers(self) -> int:
+        """GPU bytes of the update's own buffers at most: its staging slots, the CPU path's scratch and the
+        residents' gradient buffer, each sized for the biggest subgroup."""
+        return (SLOT_BYTES_PER_ELEMENT * self.max_slots + SCRATCH_BYTES_PER_ELEMENT
+                + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * max(self.sizes, default=0)
 
     def room_ahead(self, resident_bytes: int, ahead_bytes: int) -> int:
         """GPU bytes that slots filled ahead of the update (during backward) may still take: within the
@@ -258,10 +263,7 @@ class Planner:
         measured (the first step) and without a GPU (no budget to fill)."""
         if not self.budget.active or self.budget.need is None:
             return 0
-        biggest = max(self.sizes, default=0)
-        own = (SLOT_BYTES_PER_ELEMENT * self.max_slots + SCRATCH_BYTES_PER_ELEMENT
-               + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
-        room = self.budget.resident_room() - resident_bytes - own - ahead_bytes
+        room = self.budget.resident_room() - resident_bytes - self._update_buffers() - ahead_bytes
         return max(0, min(room, self.budget.free() - self.budget.headroom()))
 
     def slots_that_fit(self) -> int:
