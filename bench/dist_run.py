@@ -10,6 +10,7 @@ Systems, each with every optimizer state on the host:
   ours_stream     "ours" with stream_grads=True: the CPU path's gradient shards go to the host during backward
   ours_overlap    "ours_stream" with overlap=True: the update runs on beside the next forward's all-gathers
   ours_prefetch   "ours_overlap" with prefetch=True: staged subgroups' states come in during backward
+  ours_spec       "ours_overlap" with speculate=True: the CPU path's update runs ahead during backward
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -45,7 +46,7 @@ STAGING_SLOTS = 2  # --slots
 
 
 def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload", stream: bool = False,
-          overlap: bool = False, prefetch: bool = False):
+          overlap: bool = False, prefetch: bool = False, speculate: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
@@ -55,7 +56,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
         fully_shard(layer)
     fully_shard(model)
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS,
-                              stream_grads=stream, overlap=overlap, prefetch=prefetch)
+                              stream_grads=stream, overlap=overlap, prefetch=prefetch, speculate=speculate)
 
     def extra() -> dict:
         opt.synchronize()
@@ -65,7 +66,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
                 "predicted_update_s": plan.prediction and round(plan.prediction.seconds, 4),
                 "rates": opt.planner.known_rates() and opt.planner.known_rates().as_dict(),
                 "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads(),
-                "staging_slots": opt.plan.slots, "prefetched": u.prefetched}
+                "staging_slots": opt.plan.slots, "prefetched": u.prefetched, "speculated": u.speculated}
 
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
@@ -88,6 +89,10 @@ def _ours_overlap(preset: str, device: torch.device, micro_batch: int):
 
 def _ours_prefetch(preset: str, device: torch.device, micro_batch: int):
     return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, prefetch=True)
+
+
+def _ours_spec(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, speculate=True)
 
 
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
@@ -127,7 +132,8 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
 
 
 SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "ours_stream": _ours_stream, "ours_overlap": _ours_overlap,
-           "ours_prefetch": _ours_prefetch, "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
+           "ours_prefetch": _ours_prefetch, "ours_spec": _ours_spec, "fsdp2_offload": _fsdp2_offload,
+           "deepspeed": _deepspeed}
 
 
 def _phase(device: torch.device, fn):

@@ -54,13 +54,14 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 
 def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
          spare_cores: int = 0, checkpointing: bool = False,
-         path_threads: int | None = None, prefetch: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+         path_threads: int | None = None, prefetch: bool = False,
+         speculate: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
     ``path_threads`` runs the CPU path's AdamW on that many threads after planning (the plan is unchanged:
     does a throttled CPU leave the staged copies more host memory bandwidth?); ``prefetch`` fills the staged
-    subgroups' slots during backward."""
+    subgroups' slots during backward; ``speculate`` runs the CPU path's update ahead during backward."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
@@ -68,7 +69,7 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
         threads = max(1, (os.cpu_count() or 1) - spare_cores) if spare_cores else None
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
                                   stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,
-                                  cpu_threads=threads, prefetch=prefetch)
+                                  cpu_threads=threads, prefetch=prefetch, speculate=speculate)
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
 
@@ -85,7 +86,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                             "params_written_s": None if u is None or u.params_written_s is None
                             else round(u.params_written_s, 4),
                             "forward_wait_s": None if u is None or u.forward_wait_s is None
-                            else round(u.forward_wait_s, 4), "prefetched": None if u is None else u.prefetched})
+                            else round(u.forward_wait_s, 4), "prefetched": None if u is None else u.prefetched,
+                            "speculated": None if u is None else u.speculated})
 
         def extra() -> dict:
             opt.synchronize()  # with overlap, the last update may still run
@@ -230,6 +232,9 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_prefetch": ours("offload", stream_grads=True, overlap=True, prefetch=True),
     "ours_offload_overlap_clip_prefetch": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP,
                                                prefetch=True),
+    "ours_offload_overlap_spec": ours("offload", stream_grads=True, overlap=True, speculate=True),
+    "ours_offload_overlap_clip_spec": ours("offload", stream_grads=True, overlap=True, max_grad_norm=CLIP,
+                                           speculate=True),
     "ours_offload_overlap_gathered": ours("offload", overlap=True),  # gradients sent at the update, clip on the GPU
     "ours_offload_overlap_clip_gathered": ours("offload", overlap=True, max_grad_norm=CLIP),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),

@@ -26,6 +26,7 @@ from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule, validate_schedule
+from .core.speculate import DEFAULT_SPECULATIVE_SUBGROUPS, Speculation
 from .planning.budget import CudaProbe, MemoryBudget, validate_budget
 from .planning.plan import Plan, Planner
 
@@ -92,6 +93,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         stream_grads: bool = False,
         overlap: bool = False,
         prefetch: bool = False,
+        speculate: bool | int = False,
         model: nn.Module | None = None,
         cpu_threads: int | None = None,
         device: str | torch.device | None = None,
@@ -149,6 +151,18 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if prefetch and not stream_grads:
             raise ValueError("prefetch=True needs stream_grads=True: the copies start from its gradient hooks in "
                              "backward")
+        if isinstance(speculate, bool):
+            speculate = DEFAULT_SPECULATIVE_SUBGROUPS if speculate else 0
+        if not isinstance(speculate, int) or speculate < 0:
+            raise ValueError(f"speculate must be True, False or an int >= 0 (subgroups updated ahead), "
+                             f"got {speculate!r}")
+        if speculate and not stream_grads:
+            raise ValueError("speculate needs stream_grads=True: the CPU path's update runs ahead from its gradient "
+                             "hooks in backward")
+        if speculate and loss_scale is not None and (loss_scale != "auto" or any(
+                p.dtype == torch.float16 for params, _ in trainable for p in params)):
+            raise ValueError("speculate does not support loss scaling (fp16 params): train bf16 params, or pass "
+                             "speculate=False")
         if overlap and self.module is None:
             raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
                              "pass the model itself as the first argument, or as model= beside param groups")
@@ -179,6 +193,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.grad_stream = GradStream(self.layout, self.device, _weak(self._is_cpu_placed)) if stream_grads else None
         if self.prefetch is not None:
             self.grad_stream.after_grad = _weak(self._fill_ahead)
+        self.speculation: Speculation | None = None
+        self._speculating = True  # off for the step after one whose gradients were clipped (undone)
+        if speculate:
+            self.speculation = Speculation(speculate, max((sg.numel for sg in self.layout.subgroups), default=0),
+                                           local_ranks(), self.engine.on_cpu)
+            self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
@@ -362,6 +382,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return
         if p is None:
             self._drop_ahead()
+            self._undo_ahead()
             self.residents.evict()
         elif id(p) in self.layout.where:
             self._evict_param(*self.layout.where[id(p)])
@@ -392,6 +413,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
 
     def _evict_param(self, bucket, i: int) -> None:
         self._drop_ahead(self.layout.subgroups_of(bucket, i))  # its host states are about to be read or written
+        self._undo_ahead(self.layout.subgroups_of(bucket, i))
         if len(self.residents):
             self.residents.evict(only={sg.index for sg in self.layout.subgroups_of(bucket, i)})
 
@@ -420,6 +442,30 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if getattr(self, "prefetch", None) is None:
             return
         self.prefetch.drop(None if subgroups is None else {sg.index for sg in subgroups})
+
+    # ---- updates run ahead --------------------------------------------------------------------------
+    def _run_ahead(self, sg: Subgroup) -> None:
+        """From a gradient hook, as CPU subgroup ``sg``'s final gradients go down (``speculate``): its update
+        starts with the hyper-parameters and step counts of now; ``step()`` keeps it or undoes it."""
+        if not self._speculating or self.planner.pending:  # the last step clipped; or calibration comes first
+            return
+        if self.overlapper is not None and self.overlapper.busy:
+            if not self.overlapper.finished:
+                return  # the last update may still write host states
+            self.synchronize()  # ended: its step counts are counted now
+        group = self.param_groups[sg.group_index]
+        try:
+            check_group(group)
+        except ValueError:
+            return  # step() says what is wrong
+        job = Job(sg, Placement.CPU, AdamHyper.from_group(group, self.adamw),
+                  runs=sg.runs([True] * len(sg.bucket.params)))
+        self.speculation.start(job, self.grad_stream.landed[sg.index])
+
+    def _undo_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
+        """Put back the states before of the subgroups whose update ran ahead (of ``subgroups``, else all)."""
+        if getattr(self, "speculation", None) is not None:
+            self.speculation.undo(subgroups)
 
     def release_gpu_memory(self) -> None:
         """Move every resident state back to pinned host memory now (before a forward that needs more GPU
@@ -534,6 +580,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if self.grad_stream is not None:
                 self.grad_stream.reset()
             self._drop_ahead()  # those the update did not take: a skipped step's (the next backward refills)
+            self._undo_ahead()  # those the step did not keep (a skipped or failed step's)
             if self.prefetch is not None:
                 self.prefetch.restart()
             self._order_ahead = None
@@ -546,6 +593,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         multipliers = self._grad_multipliers()
         if multipliers is None:  # inf/nan gradients: nothing updated
             return
+        # an update run ahead applied no multiplier: kept only if the step applies none either (x * 1 == x)
+        unscaled = self.speculation is None or all(float(m) == 1.0 for m in multipliers)
         hyper = [AdamHyper.from_group(g, self.adamw) for g in self.param_groups]
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
         budget = self.planner.budget
@@ -565,6 +614,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
             if runs:
                 jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
+        if self.speculation is not None:
+            jobs = self.speculation.settle(jobs, keep=unscaled)
+            self._speculating = unscaled
         ahead = self.prefetch.take() if self.prefetch is not None else None
         if self.overlapper is not None:
             self._start_update(jobs, multipliers, max(plan.slots, 1), landed, has_grad, ahead)
@@ -715,6 +767,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         None do not wait for an update left running (it holds the ones it reads); zeroed in place, they do."""
         if not set_to_none:
             self.synchronize()
+        self._undo_ahead()  # the gradients they ran with are dropped: no step takes them
         super().zero_grad(set_to_none)
         self._norm_cache, self._clip_once = None, None
         if self.grad_stream is not None:

@@ -95,12 +95,12 @@ def write_final(model: nn.Module, out: str, what: str) -> None:
 
 
 def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False,
-         subgroup_size: int = 97, fill_ahead: bool = False) -> DeepOptimizerStates:
+         subgroup_size: int = 97, fill_ahead: bool = False, speculate: bool = False) -> DeepOptimizerStates:
     """Our optimizer on the shards; schedule "mixed": resident, staged and CPU subgroups in turn;
     ``fill_ahead``: prefetch=True with room for every staged subgroup (no GPU budget to read here)."""
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WD, subgroup_size=subgroup_size, max_grad_norm=MAX_NORM,
                               schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream,
-                              overlap=overlap, prefetch=fill_ahead)
+                              overlap=overlap, prefetch=fill_ahead, speculate=speculate)
     if fill_ahead:
         opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: 1 << 40
     if schedule == "mixed":
@@ -108,14 +108,15 @@ def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False
     return opt
 
 
-def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False) -> None:
+def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, speculate: bool = False) -> None:
     """With ``stream``, a second sharded copy trains without stream_grads beside it: the two must agree bit
     for bit (the streamed gradients and their norms take the same fp32 operations); with ``fill_ahead``
-    the first also fills its staged subgroups' slots during backward."""
+    the first also fills its staged subgroups' slots during backward, with ``speculate`` it runs its CPU
+    subgroups' updates ahead."""
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     model = shard(make_model())
-    opt = ours(model, schedule, stream, fill_ahead=fill_ahead)
+    opt = ours(model, schedule, stream, fill_ahead=fill_ahead, speculate=speculate)
     filled = 0
     twin = shard(make_model()) if stream else None
     twin_opt = ours(twin, schedule) if stream else None
@@ -130,6 +131,10 @@ def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False) -> 
             train_step(twin, twin_opt, step, sharded=True)
             assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), twin.parameters()))
             assert opt.last_grad_norm.item() == twin_opt.last_grad_norm.item()
+    if speculate:
+        assert opt.speculation.kept > 0, "no update ran ahead and was kept"
+        print(f"rank {dist.get_rank()}: {opt.speculation.kept} updates run ahead and kept, "
+              f"{opt.speculation.undone} undone", flush=True)
     if fill_ahead:
         assert filled > 0, "no staged subgroup was filled ahead"
         print(f"rank {dist.get_rank()}: {filled} staged subgroups filled during backward", flush=True)
@@ -164,7 +169,7 @@ def mixed_precision_mode(steps: int, schedule) -> None:
     print(f"rank {dist.get_rank()}: {steps} mixed-precision steps equal torch AdamW", flush=True)
 
 
-def nonfinite_mode(steps: int, schedule, stream: bool) -> None:
+def nonfinite_mode(steps: int, schedule, stream: bool, speculate: bool = False) -> None:
     """An inf in one rank's gradient shard at step 2: every rank must skip that step (the norm is global), so
     the ranks never diverge, and training continues equal to torch AdamW that skipped the same step."""
     import warnings
@@ -177,7 +182,7 @@ def nonfinite_mode(steps: int, schedule, stream: bool) -> None:
         target = next(p for p in model.parameters() if p.to_local().numel())  # reduce-scatter (FSDP2 runs
         target.register_post_accumulate_grad_hook(  # this hook before ours, registered later)
             lambda p: p.grad.to_local().view(-1)[0].fill_(float("inf")) if poison["now"] else None)
-    opt = ours(model, schedule, stream)
+    opt = ours(model, schedule, stream, speculate=speculate)
     for step in range(steps):
         before = [p.to_local().clone() for p in model.parameters()]
         opt.zero_grad()
@@ -198,6 +203,8 @@ def nonfinite_mode(steps: int, schedule, stream: bool) -> None:
             torch.testing.assert_close(p.full_tensor(), want.detach(), rtol=2e-5, atol=2e-6,
                                        msg=lambda m: f"step {step}, {name}: {m}")
     assert opt.skipped_steps == 1
+    if speculate:
+        assert opt.speculation.undone > 0 and opt.speculation.kept > 0, "the poisoned step's updates were undone"
     print(f"rank {dist.get_rank()}: skipped the poisoned step with the others, {steps - 1} steps equal torch AdamW",
           flush=True)
 
@@ -327,6 +334,7 @@ def bad_schedule_mode() -> None:
 
 
 def main() -> None:
+    global DEVICE, MAX_NORM
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite",
                                      "overlap", "bad_schedule"])
@@ -339,17 +347,19 @@ def main() -> None:
     ap.add_argument("--stream", action="store_true", help="train: stream_grads=True (beside a twin without)")
     ap.add_argument("--prefetch", action="store_true", help="overlap: the first block prefetches the second")
     ap.add_argument("--fill-ahead", action="store_true", help="train: ours with prefetch=True (needs --stream)")
+    ap.add_argument("--speculate", action="store_true", help="train, nonfinite: ours with speculate=True")
+    ap.add_argument("--max-norm", type=float, default=MAX_NORM, help="the global norm clipped to")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
     schedule = int(args.schedule) if args.schedule.isdigit() else args.schedule
-    global DEVICE
+    MAX_NORM = args.max_norm
     if args.device == "cuda":
         DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(DEVICE)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.mode == "train":
-            train_mode(args.steps, schedule, args.stream, args.fill_ahead)
+            train_mode(args.steps, schedule, args.stream, args.fill_ahead, args.speculate)
         elif args.mode == "save":
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
         elif args.mode == "calibrate":
@@ -359,7 +369,7 @@ def main() -> None:
         elif args.mode == "mixed_precision":
             mixed_precision_mode(args.steps, schedule)
         elif args.mode == "nonfinite":
-            nonfinite_mode(args.steps, schedule, args.stream)
+            nonfinite_mode(args.steps, schedule, args.stream, args.speculate)
         elif args.mode == "overlap":
             overlap_mode(args.steps, schedule, args.stream, args.prefetch)
         else:

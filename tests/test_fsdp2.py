@@ -51,6 +51,22 @@ def test_streamed_gradients_under_fsdp2_match_adamw_and_the_unstreamed_run(ranks
     assert out.count("equal bit for bit") == ranks
 
 
+@pytest.mark.parametrize("ranks,schedule", [(2, "cpu"), (3, "mixed")])
+def test_updates_run_ahead_under_fsdp2_equal_adamw_and_the_plain_run(ranks, schedule):
+    """speculate=True under FSDP2 (uneven shards, accumulation, unclipped so the updates are kept): bit for
+    bit the run that neither streams nor runs ahead, and torch AdamW."""
+    out = torchrun(ranks, "train", "--steps", "4", "--schedule", schedule, "--stream", "--speculate",
+                   "--max-norm", "1e3")
+    assert out.count("4 steps equal torch AdamW") == ranks and out.count("equal bit for bit") == ranks
+    assert out.count("updates run ahead and kept") == ranks
+
+
+def test_an_inf_on_one_rank_undoes_the_updates_run_ahead_on_every_rank():
+    out = torchrun(2, "nonfinite", "--steps", "5", "--schedule", "cpu", "--stream", "--speculate",
+                   "--max-norm", "1e3")
+    assert out.count("skipped the poisoned step with the others") == 2
+
+
 def test_states_filled_ahead_under_fsdp2_change_no_bit():
     """prefetch=True under FSDP2 (3 ranks, uneven shards, resident, staged and CPU subgroups): each rank fills
     its staged shards' slots from the hooks the reduce-scatter runs; bit for bit the run without."""

@@ -224,7 +224,7 @@ def _telemetry(places, cpu_adam_seconds, seconds=1.0, prefetched=0):
     """What the planner reads of an update that ran ``places``."""
     staged = places.count(Placement.STAGED)
     return SimpleNamespace(seconds=seconds, cpu_adam_seconds=cpu_adam_seconds, staged_subgroups=staged,
-                           cpu_subgroups=len(places) - staged, prefetched=prefetched)
+                           cpu_subgroups=len(places) - staged, prefetched=prefetched, speculated=0)
 
 
 def _run(planner, sizes, truth, updates=5):
@@ -406,5 +406,5 @@ def test_link_rate_is_not_learned_from_updates_with_residents(monkeypatch):
         real = predict(sizes, places, H200_LIKE, 2)
         planner.observe(SimpleNamespace(seconds=real.seconds + 0.015, cpu_adam_seconds=real.cpu_s,
                                         staged_subgroups=places.count(Placement.STAGED),
-                                        cpu_subgroups=places.count(Placement.CPU), prefetched=0))
+                                        cpu_subgroups=places.count(Placement.CPU), prefetched=0, speculated=0))
     assert planner.factors["link_contended"] == 1.0

@@ -61,6 +61,7 @@ class Job:
     hyper: AdamHyper
     steps_done: int = 0
     runs: list[tuple[int, int, int]] | None = None  # (start, end, steps done); None: the whole subgroup
+    ran_ahead: Future | None = None  # the CPU path's AdamW, run during backward (``speculate.py``): params up only
 
     def spans(self) -> list[tuple[int, int, int]]:
         """The spans to update: params without a gradient are left out, as torch leaves them alone."""
@@ -92,6 +93,7 @@ class UpdateStats:
     params_written_s: float | None = None  # overlap: from the update's start until every param write was enqueued
     forward_wait_s: float | None = None  # overlap: how long the caller was blocked waiting for those writes
     prefetched: int = 0  # staged subgroups whose states came in during backward (their slots filled ahead)
+    speculated: int = 0  # CPU subgroups whose AdamW ran during backward and was kept (only their params went up)
 
 
 class _Slot:
@@ -227,7 +229,7 @@ class Engine:
         on_host = [m.to("cpu") for m in multipliers] if landed else []
         pending: list[Future] = []
         try:
-            pending = [self._on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
+            pending = [self.on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
                        for i, job in enumerate(feed.jobs)]
             for job in (j for j in jobs if j.placement is Placement.RESIDENT):
                 self._update_resident(job, residents, job.subgroup.index in fresh, scratch, multipliers, grads)
@@ -257,6 +259,7 @@ class Engine:
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
         stats.admitted, stats.timeline = len(fresh), timeline
         stats.prefetched = sum(j.placement is Placement.STAGED and j.subgroup.index in ahead for j in jobs)
+        stats.speculated = sum(j.ran_ahead is not None for j in jobs)
         stats.fallbacks = fallbacks + staged_planned - stats.staged_subgroups
         return stats
 
@@ -304,7 +307,9 @@ class Engine:
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
         return jobs, slots, down, up, grads
 
-    def _on_cpu(self, fn: Callable, *args) -> Future:
+    def on_cpu(self, fn: Callable, *args) -> Future:
+        """Run ``fn(*args)`` on the CPU path's worker thread, after what was queued there before (without a
+        GPU: now, on the caller's thread)."""
         if self._worker is not None:
             return self._worker.submit(fn, *args)
         done: Future = Future()
@@ -315,14 +320,17 @@ class Engine:
     def _update_on_cpu(self, job: Job, index: int, feed: "_GradFeed", scratch, on_host: list) -> None:
         sg = job.subgroup
         feed.landed(index).synchronize()
-        t0 = time.perf_counter()
-        if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies, here
-            for m in on_host:
-                sg.grad32.mul_(m)
-        job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
-        t1 = time.perf_counter()
-        self._cpu_adam_seconds += t1 - t0
-        self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
+        if job.ran_ahead is not None:
+            job.ran_ahead.result()  # queued on this worker before the update: ended, or raises its error
+        else:
+            t0 = time.perf_counter()
+            if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies, here
+                for m in on_host:
+                    sg.grad32.mul_(m)
+            job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
+            t1 = time.perf_counter()
+            self._cpu_adam_seconds += t1 - t0
+            self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
         with self.params_up.run(f"sg{sg.index}"):
             _params_from(sg.master, sg, scratch)
         self._on_written(sg.index, self.params_up.record())

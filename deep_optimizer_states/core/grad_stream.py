@@ -39,6 +39,7 @@ class GradStream:
         self._buffer: torch.Tensor | None = None
         self.sent = 0  # subgroups sent down since the optimizer was built (telemetry)
         self.after_grad: Callable[[], None] | None = None  # told after each final gradient (prefetch fills)
+        self.after_send: Callable[[Subgroup], None] | None = None  # told as a subgroup's gradients go down
         self._ref = weakref.ref(self)
         hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
         params = [p for b in layout.buckets for p in b.params]
@@ -91,6 +92,8 @@ class GradStream:
                 done.append(sg)
         for sg in done:
             self._send(sg)
+            if self.after_send is not None:
+                self.after_send(sg)
         for q in {id(q): q for sg in done for q in (sg.bucket.params[pc.i] for pc in sg.pieces)}.values():
             self._give_back(q)
         self._give_back(p)

@@ -151,9 +151,10 @@ class Planner:
         show their contention, not the rates of an update the model prices; learning from them moved the
         1.36B plans on an H200 towards staging everything, and the iterations got slower
         (docs/benchmarks/overlap.md). Nor does one whose staged subgroups came in during backward
-        (``prefetch``): the model prices every staged subgroup's way in inside the update."""
+        (``prefetch``): the model prices every staged subgroup's way in inside the update, nor one whose CPU
+        subgroups were updated during backward (``speculate``)."""
         self._observed += 1
-        if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched:
+        if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched or stats.speculated:
             return
         if self._calibrated is None:
             if self.sync.collective:  # ranks decided together at construction: loading now could split them

@@ -95,3 +95,34 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, mo
     assert sum(filled) > 0, "no subgroup was filled ahead"
     assert [p for f, p in placed if not f] == [p for f, p in placed if f], "the two runs placed differently"
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("clip", [None, 1e-6], ids=["kept", "clipped"])
+def test_updates_run_ahead_during_backward_change_no_bit(schedule, overlap, clip):
+    """speculate=True on real streams: the CPU subgroups' AdamW runs on the worker while backward goes on
+    (after each one's gradients landed on the side stream), kept when nothing clips (``kept``) and undone
+    when everything does (``clipped``: undone at the first step, then paused while every step clips); bit
+    for bit the run that neither streams nor runs ahead. With overlap a subgroup whose gradients land
+    before the last update has ended does not run ahead."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    model = _stack(seed)
+    twin = copy.deepcopy(model)
+    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=clip, schedule=schedule)
+    ours = DeepOptimizerStates(model, overlap=overlap, stream_grads=True, speculate=True, **kwargs)
+    ref = DeepOptimizerStates(twin, **kwargs)
+    got, want = _losses(model, ours, seed, 6), _losses(twin, ref, seed, 6)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: losses differ"
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours.master(p), ref.master(q))
+        assert torch.equal(p, q)
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    cpu = ours.placements.count(C)
+    if clip is None:
+        assert ours.speculation.undone == 0 and (0 < ours.speculation.kept <= 6 * cpu if overlap
+                                                 else ours.speculation.kept == 6 * cpu)
+    else:
+        assert ours.speculation.kept == 0 and ours.speculation.undone == cpu

@@ -1,0 +1,114 @@
+"""The CPU path's AdamW started during backward, before the step's global checks are known (``speculate``).
+
+With ``stream_grads`` a CPU-placed subgroup's gradients are final and on the host while backward goes on,
+and host memory idles meanwhile. But until ``step()`` the update may still be skipped (an inf/nan gradient
+yet to come, on this rank or another), clipped (the global norm needs every gradient), or changed (a new
+lr, an edited step count or weight). So a subgroup runs ahead on a copy kept aside: its master, exp_avg and
+exp_avg_sq are copied into a spare host buffer, then updated in place with the hyper-parameters and step
+counts of that moment, by the same call the update makes (``Job.adam``). ``step()`` keeps the result when
+nothing it decides differs (the step is not skipped, every gradient multiplier is exactly 1, the same
+hyper-parameters and spans), and otherwise copies the spare back, bit for bit the states before, and the
+update takes the subgroup the usual way. Whatever reads or writes the host states in between
+(``opt.state``, ``state_dict``, a weight edit, ``zero_grad``) undoes first. The cost: 24 B per element more
+through host memory (the copy aside), at a time when host memory idles; at most ``count`` subgroups run
+ahead per step (a spare each, 12 B per element of host memory, allocated once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from .engine import Job
+from .host_memory import HostSpec, check_host_capacity, format_bytes, host_empty_many
+from .layout import Subgroup
+
+SPARE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq kept aside
+DEFAULT_SPECULATIVE_SUBGROUPS = 16
+
+
+@dataclass
+class _Ahead:
+    job: Job
+    spare: torch.Tensor  # [3, numel]: the states before
+    done: Future | None = None
+    copied: bool = False  # the states before are all in the spare: from here on, undo puts them back
+
+
+class Speculation:
+    """At most ``count`` CPU subgroups updated ahead of ``step()``, each undoable from its spare."""
+
+    def __init__(self, count: int, largest: int, local_ranks: int,
+                 run_on_cpu: Callable[..., Future]) -> None:
+        needed = SPARE_BYTES_PER_ELEMENT * largest * count
+        check_host_capacity(needed * local_ranks, f"speculate={count}: {count} spare subgroups of "
+                            f"{format_bytes(SPARE_BYTES_PER_ELEMENT * largest)} (pass a smaller count)")
+        self._free = [t.view(3, largest) for t in host_empty_many(
+            [HostSpec(3 * largest, torch.float32, zero=False) for _ in range(count)], pin=False)] if largest else []
+        self._run_on_cpu = run_on_cpu
+        self._ahead: dict[int, _Ahead] = {}
+        self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
+        self.undone = 0  # ... and was undone
+
+    def __len__(self) -> int:
+        return len(self._ahead)
+
+    def start(self, job: Job, landed: object) -> bool:
+        """Update ``job``'s subgroup ahead once its gradients have landed (``landed``: their event or None);
+        False when no spare is free."""
+        if not self._free or job.subgroup.index in self._ahead:
+            return False
+        ahead = self._ahead[job.subgroup.index] = _Ahead(job, self._free.pop())
+        ahead.done = self._run_on_cpu(_run_ahead, ahead, landed)
+        return True
+
+    def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
+        """The step's jobs, each whose same job ran ahead marked so (when ``keep``: the step applies no
+        multiplier; not waited for here: the engine's CPU worker, which runs both, takes them in order);
+        every other subgroup ahead is undone."""
+        out = []
+        for job in jobs:
+            ahead = self._ahead.get(job.subgroup.index)
+            if keep and ahead is not None and ahead.job.hyper == job.hyper and ahead.job.spans() == job.spans():
+                self._release(job.subgroup.index)  # its spare is written before anything queued after it runs
+                self.kept += 1
+                job = dataclasses.replace(job, ran_ahead=ahead.done)
+            out.append(job)
+        self.undo()
+        return out
+
+    def undo(self, subgroups: Iterable[Subgroup] | None = None) -> None:
+        """Put back the states before of the subgroups ahead (of ``subgroups``, else all)."""
+        indices = list(self._ahead) if subgroups is None else [sg.index for sg in subgroups if sg.index in self._ahead]
+        for i in indices:
+            ahead = self._ahead[i]
+            try:
+                if ahead.done is not None:
+                    ahead.done.result()
+            except BaseException:  # its error is not the caller's: the states before are put back all the same
+                pass
+            sg = ahead.job.subgroup
+            if ahead.copied:
+                with torch.no_grad():
+                    for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), ahead.spare[:, : sg.numel]):
+                        dst.copy_(src)
+            self._release(i)
+            self.undone += 1
+
+    def _release(self, index: int) -> None:
+        self._free.append(self._ahead.pop(index).spare)
+
+
+@torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
+def _run_ahead(ahead: _Ahead, landed: object) -> None:
+    sg = ahead.job.subgroup
+    if landed is not None:
+        landed.synchronize()
+    for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
+        dst.copy_(src)
+    ahead.copied = True
+    ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)

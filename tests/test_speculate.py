@@ -1,0 +1,167 @@
+"""The CPU path's update run ahead during backward (``speculate``), on the CPU.
+
+Each run with ``speculate`` trains beside a twin that neither streams nor speculates (the path the other
+tests hold to torch's AdamW) on the same fresh random batches, and the two must agree bit for bit after
+every step: where the update ran ahead and was kept, where it was undone (clipped, skipped, a new lr, a
+read of the states, zero_grad), and where it did not run. Every test also asserts that updates did run
+ahead (and were kept or undone as the case says), so a speculation that silently never ran fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates, Placement
+from tests.harness import loss_of, mlp, tiny_llama
+
+
+def _pair(model, **kwargs):
+    twin = copy.deepcopy(model)
+    return ((model, DeepOptimizerStates(model, stream_grads=True, speculate=True, **kwargs)),
+            (twin, DeepOptimizerStates(twin, **kwargs)))
+
+
+def _same(o1, m1, o2, m2, when: str) -> None:
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(o1.master(p1), o2.master(p2)), f"{when}: masters differ"
+        assert torch.equal(p1, p2), f"{when}: params differ"
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(o1.state[p1][key], o2.state[p2][key]), f"{when}: {key} differs"
+
+
+def _backward(pairs, gen_pairs, micro=1, scale=1.0):
+    for (m, o), gen in zip(pairs, gen_pairs):
+        o.zero_grad()
+        for k in range(micro):
+            with o.accumulating() if k < micro - 1 else contextlib.nullcontext():
+                (loss_of(m, gen) * scale / micro).backward()
+
+
+@pytest.mark.parametrize("schedule", ["cpu", 2], ids=str)
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_updates_run_ahead_are_kept_and_equal_the_plain_step_bit_for_bit(schedule, overlap):
+    (m1, o1), (m2, o2) = _pair(tiny_llama(), schedule=schedule, subgroup_size=3000, lr=1e-2, overlap=overlap)
+    gens = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    ahead = min(o1.placements.count(Placement.CPU), 16)  # as many as there are spares
+    assert ahead >= 8
+    for step in range(5):
+        _backward([(m1, o1), (m2, o2)], gens, micro=2 if step == 3 else 1)
+        assert len(o1.speculation) == ahead, "CPU subgroups ran ahead during backward, one per spare"
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+        assert o1.last_update.speculated == ahead
+    assert o1.speculation.kept == 5 * ahead and o1.speculation.undone == 0
+
+
+def test_equal_to_torch_adamw():
+    model = tiny_llama()
+    twin = copy.deepcopy(model)
+    opt = DeepOptimizerStates(model, stream_grads=True, speculate=2, schedule="cpu", subgroup_size=4000, lr=1e-2,
+                              weight_decay=0.1)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(4):
+        opt.zero_grad()
+        ref.zero_grad()
+        loss_of(model, g1).backward()
+        loss_of(twin, g2).backward()
+        opt.step()
+        ref.step()
+        for p, q in zip(model.parameters(), twin.parameters()):  # the reference's measure (reference.py)
+            assert ((opt.master(p) - q).norm() / q.norm()).item() < 1e-6
+    assert opt.speculation.kept == 4 * 2, "two subgroups (the spares) ran ahead each step"
+
+
+def test_clipping_undoes_the_update_run_ahead_and_pauses_speculation_for_one_step():
+    (m1, o1), (m2, o2) = _pair(tiny_llama(), schedule="cpu", subgroup_size=8000, lr=1e-2)
+    gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    ahead, kept, undone = [], [], []
+    for step, max_norm in enumerate([1e6, 1e-3, 1e6, 1e6, 1e-3]):
+        _backward([(m1, o1), (m2, o2)], gens)
+        ahead.append(len(o1.speculation))
+        n1, n2 = o1.clip_grad_norm_(max_norm), o2.clip_grad_norm_(max_norm)
+        assert torch.equal(n1, n2)
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+        kept.append(o1.speculation.kept)
+        undone.append(o1.speculation.undone)
+    n = len(o1.layout.subgroups)
+    assert n <= 16
+    # step 1 clips: undone; step 2 runs nothing ahead (the last step clipped); step 3 runs ahead again
+    assert ahead == [n, n, 0, n, n]
+    assert kept == [n, n, n, 2 * n, 2 * n] and undone == [0, n, n, n, 2 * n]
+
+
+def test_an_injected_nan_skips_the_step_and_puts_the_states_back():
+    (m1, o1), (m2, o2) = _pair(mlp(torch.bfloat16), schedule="cpu", subgroup_size=2000, lr=1e-3)
+    gens = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for step in range(4):
+        _backward([(m1, o1), (m2, o2)], gens, scale=float("nan") if step == 1 else 1.0)
+        ran = len(o1.speculation)
+        assert ran > 0
+        with pytest.warns(RuntimeWarning, match="skipped") if step == 1 else contextlib.nullcontext():
+            o1.step()
+        with pytest.warns(RuntimeWarning, match="skipped") if step == 1 else contextlib.nullcontext():
+            o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+    assert o1.skipped_steps == o2.skipped_steps == 1
+    assert o1.speculation.undone == ran, "the skipped step's updates were undone"
+
+
+def test_a_new_lr_a_state_read_or_a_weight_edit_after_backward_is_taken():
+    (m1, o1), (m2, o2) = _pair(mlp(), schedule=2, subgroup_size=2000, lr=1e-3)
+    gens = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    for step in range(5):
+        _backward([(m1, o1), (m2, o2)], gens)
+        assert len(o1.speculation) > 0
+        before = o1.speculation.undone
+        if step == 1:  # an LR schedule stepped between backward and step
+            for o in (o1, o2):
+                o.param_groups[0]["lr"] = 3e-3
+        if step == 2:  # a read of the states sees them before the step
+            for p1, p2 in zip(m1.parameters(), m2.parameters()):
+                assert torch.equal(o1.state[p1]["exp_avg"], o2.state[p2]["exp_avg"])
+            assert len(o1.speculation) == 0
+        if step == 3:  # a weight edited in place becomes the new master
+            with torch.no_grad():
+                for m in (m1, m2):
+                    m[0].weight.mul_(0.5)
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+        assert (o1.speculation.undone > before) == (step in (1, 2, 3))
+
+
+def test_zero_grad_after_backward_drops_the_update_run_ahead():
+    model = mlp()
+    opt = DeepOptimizerStates(model, stream_grads=True, speculate=True, schedule="cpu", subgroup_size=2000)
+    gen = torch.Generator().manual_seed(0)
+    loss_of(model, gen).backward()
+    opt.step()
+    before = copy.deepcopy(opt.state_dict()["state"])
+    masters = [opt.master(p).clone() for p in model.parameters()]
+    loss_of(model, gen).backward()
+    assert len(opt.speculation) == len(opt.layout.subgroups)
+    opt.zero_grad()
+    opt.step()  # no gradient: nothing to do
+    assert all(torch.equal(opt.master(p), m) for p, m in zip(model.parameters(), masters))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[i][k], v) for i in before for k, v in before[i].items())
+    assert opt.speculation.undone == len(opt.layout.subgroups)
+
+
+def test_speculate_input_is_checked():
+    with pytest.raises(ValueError, match="stream_grads"):
+        DeepOptimizerStates(mlp(), speculate=True)
+    with pytest.raises(ValueError, match="speculate must be"):
+        DeepOptimizerStates(mlp(), stream_grads=True, speculate="yes")
+    with pytest.raises(ValueError, match="speculate must be"):
+        DeepOptimizerStates(mlp(), stream_grads=True, speculate=-1)
+    with pytest.raises(ValueError, match="loss scaling"):
+        DeepOptimizerStates(mlp(torch.float16), stream_grads=True, speculate=True)
