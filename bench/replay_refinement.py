@@ -33,6 +33,7 @@ class _Recorded:
     cpu_subgroups: int
     staged_subgroups: int
     prefetched: int = 0  # the recorded updates ran without prefetch
+    speculated: int = 0  # ... and without speculate
 
 
 def replay(rows: list[dict], updates_per_schedule: int = 7, probe: str | None = None) -> list[dict]:

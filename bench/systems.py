@@ -103,6 +103,9 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                     "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9, "history": history,
                     "refine_factors": opt.planner.factors, "params_written_s": u.params_written_s,
                     "forward_wait_s": u.forward_wait_s}
+            if opt.speculation is not None:
+                spec = opt.speculation
+                info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off}
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
             if device.type == "cuda" and u.resident_subgroups < len(opt.layout.subgroups):

@@ -53,6 +53,7 @@ class Speculation:
         self._ahead: dict[int, _Ahead] = {}
         self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
         self.undone = 0  # ... and was undone
+        self.called_off = 0  # ... was called off before it started
 
     def __len__(self) -> int:
         return len(self._ahead)
@@ -68,12 +69,15 @@ class Speculation:
 
     def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
         """The step's jobs, each whose same job ran ahead marked so (when ``keep``: the step applies no
-        multiplier; not waited for here: the engine's CPU worker, which runs both, takes them in order);
-        every other subgroup ahead is undone."""
+        multiplier); every other subgroup ahead is undone. One not started yet (backward ended first) is
+        called off, not waited for: it would cost the copy aside for nothing, ahead of the subgroups the next
+        forward needs first. Those started are not waited for: the engine's CPU worker, which runs them,
+        takes the update's work after them."""
         out = []
         for job in jobs:
             ahead = self._ahead.get(job.subgroup.index)
-            if keep and ahead is not None and ahead.job.hyper == job.hyper and ahead.job.spans() == job.spans():
+            if (keep and ahead is not None and ahead.job.hyper == job.hyper and ahead.job.spans() == job.spans()
+                    and not ahead.done.cancel()):
                 self._release(job.subgroup.index)  # its spare is written before anything queued after it runs
                 self.kept += 1
                 job = dataclasses.replace(job, ran_ahead=ahead.done)
@@ -82,22 +86,25 @@ class Speculation:
         return out
 
     def undo(self, subgroups: Iterable[Subgroup] | None = None) -> None:
-        """Put back the states before of the subgroups ahead (of ``subgroups``, else all)."""
+        """Put back the states before of the subgroups ahead (of ``subgroups``, else all); call off those
+        not started."""
         indices = list(self._ahead) if subgroups is None else [sg.index for sg in subgroups if sg.index in self._ahead]
         for i in indices:
             ahead = self._ahead[i]
-            try:
-                if ahead.done is not None:
+            if ahead.done is not None and not ahead.done.cancel():
+                try:
                     ahead.done.result()
-            except BaseException:  # its error is not the caller's: the states before are put back all the same
-                pass
+                except BaseException:  # its error is not the caller's: the states before are put back all the same
+                    pass
             sg = ahead.job.subgroup
             if ahead.copied:
                 with torch.no_grad():
                     for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), ahead.spare[:, : sg.numel]):
                         dst.copy_(src)
+                self.undone += 1
+            else:
+                self.called_off += 1
             self._release(i)
-            self.undone += 1
 
     def _release(self, index: int) -> None:
         self._free.append(self._ahead.pop(index).spare)

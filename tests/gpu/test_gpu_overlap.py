@@ -104,8 +104,9 @@ def test_updates_run_ahead_during_backward_change_no_bit(schedule, overlap, clip
     """speculate=True on real streams: the CPU subgroups' AdamW runs on the worker while backward goes on
     (after each one's gradients landed on the side stream), kept when nothing clips (``kept``) and undone
     when everything does (``clipped``: undone at the first step, then paused while every step clips); bit
-    for bit the run that neither streams nor runs ahead. With overlap a subgroup whose gradients land
-    before the last update has ended does not run ahead."""
+    for bit the run that neither streams nor runs ahead. Those not started when backward ends are called
+    off, and with overlap a subgroup whose gradients land before the last update has ended does not run
+    ahead: how many are kept depends on timing."""
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     model = _stack(seed)
@@ -121,8 +122,9 @@ def test_updates_run_ahead_during_backward_change_no_bit(schedule, overlap, clip
         assert torch.equal(p, q)
         assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
     cpu = ours.placements.count(C)
+    spec = ours.speculation
+    print(f"kept {spec.kept}, undone {spec.undone}, called off {spec.called_off} of {cpu} CPU subgroups x 6 steps")
     if clip is None:
-        assert ours.speculation.undone == 0 and (0 < ours.speculation.kept <= 6 * cpu if overlap
-                                                 else ours.speculation.kept == 6 * cpu)
+        assert spec.undone == 0 and 0 < spec.kept and spec.kept + spec.called_off <= 6 * cpu
     else:
-        assert ours.speculation.kept == 0 and ours.speculation.undone == cpu
+        assert spec.kept == 0 and spec.undone + spec.called_off <= cpu and spec.undone > 0
