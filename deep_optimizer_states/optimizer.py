@@ -449,10 +449,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         starts with the hyper-parameters and step counts of now; ``step()`` keeps it or undoes it."""
         if not self._speculating or self.planner.pending:  # the last step clipped; or calibration comes first
             return
-        if self.overlapper is not None and self.overlapper.busy:
-            if not self.overlapper.finished:
-                return  # the last update may still write host states
-            self.synchronize()  # ended: its step counts are counted now
+        # the last update (overlap) is at most flushing its last staged subgroups: wait for it to end, as step()
+        # would, so that its host states are final and its step counts counted (the GPU runs the backward
+        # already queued meanwhile). Skipping instead missed the first subgroups backward makes final.
+        self.synchronize()
         group = self.param_groups[sg.group_index]
         try:
             check_group(group)

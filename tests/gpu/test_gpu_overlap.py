@@ -105,8 +105,7 @@ def test_updates_run_ahead_during_backward_change_no_bit(schedule, overlap, clip
     (after each one's gradients landed on the side stream), kept when nothing clips (``kept``) and undone
     when everything does (``clipped``: undone at the first step, then paused while every step clips); bit
     for bit the run that neither streams nor runs ahead. Those not started when backward ends are called
-    off, and with overlap a subgroup whose gradients land before the last update has ended does not run
-    ahead: how many are kept depends on timing."""
+    off: how many are kept depends on timing."""
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     model = _stack(seed)
