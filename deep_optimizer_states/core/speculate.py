@@ -29,6 +29,7 @@ from .layout import Subgroup
 
 SPARE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq kept aside
 DEFAULT_SPECULATIVE_SUBGROUPS = 16
+LAUNCH_CORES = 1  # cores left to backward's launching thread while an update runs ahead
 
 
 @dataclass
@@ -112,10 +113,17 @@ class Speculation:
 
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
 def _run_ahead(ahead: _Ahead, landed: object) -> None:
+    """On one thread fewer than the CPU path's own: backward launches its kernels from a thread that must
+    find a core (elementwise work, so the results do not depend on the thread count)."""
     sg = ahead.job.subgroup
     if landed is not None:
         landed.synchronize()
-    for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
-        dst.copy_(src)
-    ahead.copied = True
-    ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads - LAUNCH_CORES))
+    try:
+        for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
+            dst.copy_(src)
+        ahead.copied = True
+        ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
+    finally:
+        torch.set_num_threads(threads)
