@@ -67,8 +67,9 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
                 "rates": opt.planner.known_rates() and opt.planner.known_rates().as_dict(),
                 "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads(),
                 "staging_slots": opt.plan.slots, "prefetched": u.prefetched, "speculated": u.speculated,
-                "run_ahead": opt.speculation and {"kept": opt.speculation.kept, "undone": opt.speculation.undone,
-                                                  "called_off": opt.speculation.called_off}}
+                "run_ahead": None if opt.speculation is None else {
+                    "kept": opt.speculation.kept, "undone": opt.speculation.undone,
+                    "called_off": opt.speculation.called_off}}
 
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
