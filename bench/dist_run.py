@@ -74,7 +74,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
                 f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream}, overlap={overlap}, "
-                f"prefetch={prefetch}) over each rank's shards, {where}")
+                f"prefetch={prefetch}, speculate={speculate}) over each rank's shards, {where}")
     return model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt, extra, settings
 
 

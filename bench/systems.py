@@ -118,7 +118,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
-                       f"max_grad_norm={max_grad_norm}, cpu_threads={threads}, prefetch={prefetch}), "
+                       f"max_grad_norm={max_grad_norm}, cpu_threads={threads}, prefetch={prefetch}, "
+                       f"speculate={speculate}), "
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host")
