@@ -869,6 +869,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 state_dict = result
         self.residents.evict()  # loaded values go to the host; residents would overwrite them
         self._drop_ahead()  # and so would copies taken ahead of them
+        self._undo_ahead()  # and a step would take updates run ahead of them as done
         state_io.load(self, state_dict)
         self._failed = None
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -138,6 +138,30 @@ def test_a_new_lr_a_state_read_or_a_weight_edit_after_backward_is_taken():
         assert (o1.speculation.undone > before) == (step in (1, 2, 3))
 
 
+def test_a_checkpoint_saved_or_loaded_between_backward_and_step():
+    """state_dict() after backward holds the states before the step (as the twin's: it reads them through
+    opt.state, which undoes); a checkpoint loaded there is what the step then updates, in every subgroup."""
+    (m1, o1), (m2, o2) = _pair(mlp(), schedule="cpu", subgroup_size=2000, lr=1e-3)
+    gens = torch.Generator().manual_seed(6), torch.Generator().manual_seed(6)
+    saved = None
+    for step in range(4):
+        _backward([(m1, o1), (m2, o2)], gens)
+        assert len(o1.speculation) > 0
+        if step == 1:
+            sd1, sd2 = o1.state_dict(), o2.state_dict()
+            assert len(o1.speculation) == 0
+            for i in sd2["state"]:
+                for key, value in sd2["state"][i].items():
+                    assert torch.equal(sd1["state"][i][key], value), f"state_dict shows {key} after the update"
+            saved = copy.deepcopy(sd2)
+        if step == 3:
+            o1.load_state_dict(copy.deepcopy(saved))
+            o2.load_state_dict(copy.deepcopy(saved))
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+
+
 def test_zero_grad_after_backward_drops_the_update_run_ahead():
     model = mlp()
     opt = DeepOptimizerStates(model, stream_grads=True, speculate=True, schedule="cpu", subgroup_size=2000)
