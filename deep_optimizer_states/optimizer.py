@@ -26,7 +26,7 @@ from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule, validate_schedule
-from .core.speculate import DEFAULT_SPECULATIVE_SUBGROUPS, Speculation
+from .core.speculate import DEFAULT_SPECULATIVE_SUBGROUPS, LAUNCH_CORES, Speculation
 from .planning.budget import CudaProbe, MemoryBudget, validate_budget
 from .planning.plan import Plan, Planner
 
@@ -197,7 +197,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._speculating = True  # off for the step after one whose gradients were clipped (undone)
         if speculate:
             self.speculation = Speculation(speculate, max((sg.numel for sg in self.layout.subgroups), default=0),
-                                           local_ranks(), self.engine.on_cpu)
+                                           local_ranks(), self.engine.on_cpu,
+                                           LAUNCH_CORES if self.device.type == "cuda" else 0)
             self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None

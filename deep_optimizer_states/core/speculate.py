@@ -43,14 +43,15 @@ class _Ahead:
 class Speculation:
     """At most ``count`` CPU subgroups updated ahead of ``step()``, each undoable from its spare."""
 
-    def __init__(self, count: int, largest: int, local_ranks: int,
-                 run_on_cpu: Callable[..., Future]) -> None:
+    def __init__(self, count: int, largest: int, local_ranks: int, run_on_cpu: Callable[..., Future],
+                 launch_cores: int = 0) -> None:
+        """``launch_cores``: cores left to backward's launching thread (with a GPU) while an update runs ahead."""
         needed = SPARE_BYTES_PER_ELEMENT * largest * count
         check_host_capacity(needed * local_ranks, f"speculate={count}: {count} spare subgroups of "
                             f"{format_bytes(SPARE_BYTES_PER_ELEMENT * largest)} (pass a smaller count)")
         self._free = [t.view(3, largest) for t in host_empty_many(
             [HostSpec(3 * largest, torch.float32, zero=False) for _ in range(count)], pin=False)] if largest else []
-        self._run_on_cpu = run_on_cpu
+        self._run_on_cpu, self._launch_cores = run_on_cpu, launch_cores
         self._ahead: dict[int, _Ahead] = {}
         self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
         self.undone = 0  # ... and was undone
@@ -65,7 +66,7 @@ class Speculation:
         if not self._free or job.subgroup.index in self._ahead:
             return False
         ahead = self._ahead[job.subgroup.index] = _Ahead(job, self._free.pop())
-        ahead.done = self._run_on_cpu(_run_ahead, ahead, landed)
+        ahead.done = self._run_on_cpu(_run_ahead, ahead, landed, self._launch_cores)
         return True
 
     def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
@@ -112,18 +113,21 @@ class Speculation:
 
 
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
-def _run_ahead(ahead: _Ahead, landed: object) -> None:
-    """On one thread fewer than the CPU path's own: backward launches its kernels from a thread that must
-    find a core (elementwise work, so the results do not depend on the thread count)."""
+def _run_ahead(ahead: _Ahead, landed: object, launch_cores: int) -> None:
+    """On ``launch_cores`` threads fewer than the CPU path's own: backward launches its kernels from a thread
+    that must find a core (elementwise work: the results do not depend on the thread count)."""
     sg = ahead.job.subgroup
     if landed is not None:
         landed.synchronize()
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, threads - LAUNCH_CORES))
+    fewer = max(1, threads - launch_cores)
+    if fewer != threads:
+        torch.set_num_threads(fewer)
     try:
         for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
             dst.copy_(src)
         ahead.copied = True
         ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
     finally:
-        torch.set_num_threads(threads)
+        if fewer != threads:
+            torch.set_num_threads(threads)
