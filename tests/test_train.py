@@ -158,3 +158,7 @@ def test_stream_grads_and_overlap_train_the_same_curve(tmp_path):
         cache=tmp_path)  # no GPU memory to fill here: the flag reaches the optimizer, the curve stays
     prefetch = json.loads((tmp_path / "prefetch.json").read_text())
     assert prefetch["losses"] == plain["losses"]
+    dos("train", *common, "--stream-grads", "--speculate", "--overlap", "--summary-json",
+        str(tmp_path / "speculate.json"), cache=tmp_path)
+    speculate = json.loads((tmp_path / "speculate.json").read_text())
+    assert speculate["losses"] == plain["losses"] and speculate["final_eval_loss"] == plain["final_eval_loss"]

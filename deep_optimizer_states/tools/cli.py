@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="leave each update running beside the next forward")
     loop.add_argument("--prefetch", action="store_true",
                       help="with --stream-grads: copy the staged subgroups' states to the GPU during backward")
+    loop.add_argument("--speculate", action="store_true",
+                      help="with --stream-grads: run the CPU path's update during backward, undone if the step "
+                           "clips or skips")
     loop.add_argument("--subgroup-size", type=positive_int, default=None,
                       help="elements (default: 1/8 of the model, <= 25M)")
     loop.add_argument("--seed", type=nonnegative_int, default=0, help="model init and data order (default 0)")

@@ -241,7 +241,7 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
                               weight_decay=args.weight_decay, subgroup_size=size, schedule=args.schedule,
                               max_grad_norm=max_norm, gpu_memory_budget=_gib(args.gpu_memory_budget),
                               stream_grads=args.stream_grads, overlap=args.overlap, prefetch=args.prefetch,
-                              model=model)
+                              speculate=args.speculate, model=model)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, steps, warmup, args.min_lr_ratio))
     run = {"model": model_name, "hidden": hidden, "layers": layers, "vocab": vocab, "seq": seq, "micro_batch": micro,
