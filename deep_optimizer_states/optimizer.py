@@ -448,8 +448,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _run_ahead(self, sg: Subgroup) -> None:
         """From a gradient hook, as CPU subgroup ``sg``'s final gradients go down (``speculate``): its update
         starts with the hyper-parameters and step counts of now; ``step()`` keeps it or undoes it."""
-        if not self._speculating or self.planner.pending:  # the last step clipped; or calibration comes first
-            return
+        if not self._speculating or self.planner.pending or sg in self.residents:
+            return  # the last step clipped; calibration comes first; or its states are on the GPU (a resident of
+            # an older plan, evicted to the host only at the step)
         # the last update (overlap) is at most flushing its last staged subgroups: wait for it to end, as step()
         # would, so that its host states are final and its step counts counted (the GPU runs the backward
         # already queued meanwhile). Skipping instead missed the first subgroups backward makes final.

@@ -162,6 +162,33 @@ def test_a_checkpoint_saved_or_loaded_between_backward_and_step():
         _same(o1, m1, o2, m2, f"step {step}")
 
 
+def test_a_resident_of_the_last_plan_does_not_run_ahead_on_its_stale_host_states():
+    """A new plan makes resident subgroups CPU-placed: their states stay on the device until the step evicts
+    them, so their update must not run ahead on the host copy (it would be lost, or undone onto it)."""
+    def stack():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(96, 96) for _ in range(8)])
+
+    def loss_fn(model, gen):
+        return model(torch.randn(16, 96, generator=gen)).pow(2).mean()
+
+    (m1, o1), (m2, o2) = _pair(stack(), schedule="cpu", subgroup_size=8000, lr=1e-2)
+    n = len(o1.layout.subgroups)
+    gens = torch.Generator().manual_seed(8), torch.Generator().manual_seed(8)
+    for step, schedule in enumerate([["cpu"] * (n - 3) + ["resident"] * 3, None, "cpu", None]):
+        if schedule is not None:
+            o1.schedule = o2.schedule = schedule
+        for (m, o), gen in zip(((m1, o1), (m2, o2)), gens):
+            o.zero_grad()
+            loss_fn(m, gen).backward()
+        if step == 2:
+            assert len(o1.residents) == 3 and len(o1.speculation) == min(n - 3, 16), "residents stay out"
+        o1.step()
+        o2.step()
+        if step != 1:  # reading the states evicts the residents: not before step 2
+            _same(o1, m1, o2, m2, f"step {step}")
+
+
 def test_zero_grad_after_backward_drops_the_update_run_ahead():
     model = mlp()
     opt = DeepOptimizerStates(model, stream_grads=True, speculate=True, schedule="cpu", subgroup_size=2000)

@@ -79,7 +79,7 @@ class Speculation:
         for job in jobs:
             ahead = self._ahead.get(job.subgroup.index)
             if (keep and ahead is not None and ahead.job.hyper == job.hyper and ahead.job.spans() == job.spans()
-                    and not ahead.done.cancel()):
+                    and not ahead.done.cancel() and not _failed(ahead.done)):
                 self._release(job.subgroup.index)  # its spare is written before anything queued after it runs
                 self.kept += 1
                 job = dataclasses.replace(job, ran_ahead=ahead.done)
@@ -110,6 +110,11 @@ class Speculation:
 
     def _release(self, index: int) -> None:
         self._free.append(self._ahead.pop(index).spare)
+
+
+def _failed(done: Future) -> bool:
+    """Whether the task ended with an error (one still running is checked by the engine, which waits for it)."""
+    return done.done() and done.exception() is not None
 
 
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
