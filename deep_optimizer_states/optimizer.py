@@ -70,7 +70,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     gradients become final, and gives their GPU memory back (those params' ``.grad`` are None after
     backward): the GPU never holds them all at once. Run the backward of every micro-batch but the last
     under ``with opt.accumulating():``, and clip with ``max_grad_norm``/``opt.clip_grad_norm_``, which see
-    the streamed gradients (``torch.nn.utils.clip_grad_norm_`` over the params does not).
+    the streamed gradients (``torch.nn.utils.clip_grad_norm_`` over the params does not). ``speculate=True``
+    (with ``stream_grads``) also runs their AdamW during backward, on a copy kept aside: ``step()`` keeps
+    it when the step neither skips nor clips and nothing changed since, and undoes it otherwise.
     """
 
     def __init__(
@@ -448,13 +450,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _run_ahead(self, sg: Subgroup) -> None:
         """From a gradient hook, as CPU subgroup ``sg``'s final gradients go down (``speculate``): its update
         starts with the hyper-parameters and step counts of now; ``step()`` keeps it or undoes it."""
-        if not self._speculating or self.planner.pending or sg in self.residents:
-            return  # the last step clipped; calibration comes first; or its states are on the GPU (a resident of
-            # an older plan, evicted to the host only at the step)
+        if not self._speculating or self.planner.pending:
+            return  # the last step clipped; or calibration comes first
         # the last update (overlap) is at most flushing its last staged subgroups: wait for it to end, as step()
         # would, so that its host states are final and its step counts counted (the GPU runs the backward
         # already queued meanwhile). Skipping instead missed the first subgroups backward makes final.
         self.synchronize()
+        if sg in self.residents:
+            return  # a resident of an older plan: its states are on the GPU until the step evicts them
         group = self.param_groups[sg.group_index]
         try:
             check_group(group)
