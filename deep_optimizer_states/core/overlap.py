@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
     from .layout import Layout, Subgroup
@@ -200,8 +202,11 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         order = [own[_state_key(m)] for m in units]
     else:
         order = []
-        readers = _reader_params(model, subgroups)
-        first = _FirstForward(model, readers, wait, need, ref, handles)
+        owned = _reader_params(model)
+        readers = [(m, subgroups(params)) for m, params in owned]
+        readers = [(m, indices) for m, indices in readers if indices]
+        owners = {id(p): (id(m), subgroups([p])) for m, params in owned for p in params if subgroups([p])}
+        first = _FirstForward(model, readers, owners, wait, need, ref, handles)
         for m, indices in readers:
             handles.append(m.register_forward_pre_hook(_module_waits(m, indices, first, wait), prepend=True))
             order.append(indices)
@@ -229,24 +234,40 @@ def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward",
 
 
 class _FirstForward:
-    """Learns from the model's first forward which modules holding params never ran in it: their params, if
-    read at all, are read by another module's code (``F.linear(x, self.head.weight)`` with ``head`` never
-    called), which their own waits never cover. From then on the model's forward waits for those subgroups
-    before anything else, and the update writes them first. The first forward itself runs with no update
-    left running (an error of the update before it is raised there). Its hooks stay for good (a compiled
-    forward does not see hooks added later). Not caught: a module whose params another module reads
-    although it ran too (after the read), reads outside the model's forward (``opt.synchronize()`` covers
-    those), and training that never calls the model itself (only a submodule of it). What is learned is
-    kept: a module skipped in the first forward only (an MoE expert without tokens) is waited for first
-    at every forward, which costs overlap, not exactness."""
+    """Learns from the model's first forward which params are read by code other than their own module's
+    before that module's forward began: those of modules that never ran in it (``F.linear(x,
+    self.head.weight)`` with ``head`` never called), and those read before their module ran (the same read,
+    with ``head`` called later). Their own waits never cover those reads. From then on the model's forward
+    waits for their subgroups before anything else, and the update writes them first. The reads are seen by
+    a torch function mode over the first forward (every torch function and tensor method a param reaches;
+    not a custom kernel that takes its data pointer; not a forward compiled by torch.compile, whose reads
+    do not reach the mode: there only the modules that never ran are caught). The first forward itself runs with no update left
+    running (an error of the update before it is raised there). Its hooks stay for good (a compiled forward
+    does not see hooks added later). Not caught: reads outside the model's forward (``opt.synchronize()``
+    covers those), reads that begin only after the first forward (data-dependent control flow), and
+    training that never calls the model itself (only a submodule of it). What is learned is kept: a module
+    skipped in the first forward only (an MoE expert without tokens) is waited for first at every forward,
+    which costs overlap, not exactness."""
 
-    def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]], wait: Callable,
-                 need: dict[int, int], ref: Callable[[], Any], handles: list) -> None:
-        self.model, self.readers, self.wait, self.need, self.ref = model, readers, wait, need, ref
-        self.fired: set[int] = set()
+    def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]],
+                 owners: dict[int, tuple[int, frozenset]], wait: Callable, need: dict[int, int],
+                 ref: Callable[[], Any], handles: list) -> None:
+        self.model, self.readers, self.owners = model, readers, owners
+        self.wait, self.need, self.ref = wait, need, ref
+        self.fired: set[int] = {id(model)}  # the model's own pre-hook runs before the reads are watched
+        self.early: set[int] = set()  # subgroups of params read before their module's forward began
         self.unread: frozenset = frozenset()
         self.active = self.done = False
-        handles += [model.register_forward_pre_hook(self._begin, prepend=True), model.register_forward_hook(self._end)]
+        self._mode: _ParamReads | None = None
+        handles += [model.register_forward_pre_hook(self._begin, prepend=True), model.register_forward_hook(self._end),
+                    model.register_forward_hook(self._stop_watching, always_call=True)]
+
+    def read(self, args: tuple, kwargs: dict) -> None:
+        """A torch function's arguments in the first forward: note the params whose module has not begun."""
+        for t in tree_flatten((args, kwargs))[0]:
+            owner = self.owners.get(id(t)) if isinstance(t, torch.Tensor) else None
+            if owner is not None and owner[0] not in self.fired:
+                self.early |= owner[1]
 
     def saw(self, module: nn.Module) -> None:
         """A reader module's forward began (its pre-hook)."""
@@ -265,17 +286,45 @@ class _FirstForward:
         if opt is not None:
             opt.synchronize()  # this forward runs before the waits it teaches exist
         self.active = True  # after a first forward that raised, this one adds to what that one saw
+        if self._mode is None and not _compiling():
+            self._mode = _ParamReads(self)
+            self._mode.__enter__()
 
     def _end(self, *args: Any) -> None:
         if self.done or not self.active:
             return
         self.active, self.done = False, True
-        ran = self.fired | {id(self.model)}
-        self.unread = frozenset().union(*(i for m, i in self.readers if id(m) not in ran))
+        self.unread = frozenset(self.early).union(*(i for m, i in self.readers if id(m) not in self.fired))
         rest = [i for i in sorted(self.need, key=self.need.get) if i not in self.unread]
         self.need.clear()
         for i in [*sorted(self.unread), *rest]:
             self.need[i] = len(self.need)
+
+
+    def _stop_watching(self, *args: Any) -> None:
+        """After the first forward, also one that raised (an ``always_call`` hook)."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+
+
+class _ParamReads(TorchFunctionMode):
+    """Tells ``_FirstForward`` the arguments of every torch function called in the model's first forward."""
+
+    def __init__(self, first: _FirstForward) -> None:
+        super().__init__()
+        self.first = first
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.first.read(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing (a mode pushed from a hook it traces would not be popped as it was pushed)."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def _runs_forward(module: nn.Module) -> bool:
@@ -283,9 +332,9 @@ def _runs_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-def _reader_params(model: nn.Module, subgroups: Callable) -> list[tuple[nn.Module, frozenset]]:
-    """Each module with a forward and the subgroups of the params only it can read: its own, and those of
-    its children without a forward, theirs, and so on down."""
+def _reader_params(model: nn.Module) -> list[tuple[nn.Module, list[torch.Tensor]]]:
+    """Each module with a forward and the params only it can read: its own, and those of its children
+    without a forward, theirs, and so on down."""
     out = []
     for m in model.modules():
         if not _runs_forward(m) and m is not model:
@@ -295,9 +344,7 @@ def _reader_params(model: nn.Module, subgroups: Callable) -> list[tuple[nn.Modul
             c = todo.pop()
             params += c.parameters(recurse=False)
             todo += [g for g in c.children() if not _runs_forward(g)]
-        indices = subgroups(params)
-        if indices:
-            out.append((m, indices))
+        out.append((m, params))
     return out
 
 
