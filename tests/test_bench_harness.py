@@ -49,6 +49,18 @@ def _row(system, budget=None, status="ok", iter_s=1.0, losses=(10.0, 9.9, 9.8), 
     return row
 
 
+def test_rows_recorded_with_their_first_wall_are_read_without_it(tmp_path):
+    """An old row's iter_s counted the first timed iteration (shortened by an update left running): the
+    report takes the median of the others; a new row (first_wall_s) is read as it is."""
+    results = tmp_path / "results.jsonl"
+    old = _row("ours_offload_overlap", iter_s=0.5, iter_walls_s=[0.1, 0.5, 0.6, 0.7])
+    new = _row("ours_offload", iter_s=0.55, iter_walls_s=[0.5, 0.55, 0.6], first_wall_s=0.2)
+    results.write_text("\n".join(json.dumps(r) for r in (old, new)) + "\n")
+    rows = {r["system"]: r for r in report.load(results)}
+    assert rows["ours_offload_overlap"]["iter_s"] == 0.6 and rows["ours_offload_overlap"]["first_wall_s"] == 0.1
+    assert rows["ours_offload"]["iter_s"] == 0.55 and rows["ours_offload"]["iter_walls_s"] == [0.5, 0.55, 0.6]
+
+
 def test_loss_check_accepts_bf16_noise_and_catches_divergence():
     rows = [_row(REFERENCE), _row("ours_auto", losses=(10.0, 9.91, 9.79)),
             _row("ours_cpu", losses=(10.0, 9.9, 10.4)), _row(REFERENCE, budget=40, status="oom"),
