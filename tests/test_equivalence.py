@@ -33,6 +33,40 @@ def test_matches_adamw_every_schedule(kind, schedule, dtype):
         assert opt.last_update.staged_subgroups == expected * len(opt.layout.subgroups)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("subgroup_size", [37, 333, 1000, 4000])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_bit_for_bit_torch_on_the_cpu(subgroup_size, threads, adamw):
+    """Params of sizes that are no multiple of the kernel's unit, cut by subgroups anywhere, some without a
+    gradient at some steps (so step counts differ between neighbours): the masters equal torch's fused
+    AdamW (or Adam) on fp32 params bit for bit, on 1 and on 2 threads (the kernel's parallel chunks)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        shapes = [(1000,), (37, 13), (517,), (64, 64), (5,), (300, 7)]
+        ours_params = [torch.nn.Parameter(torch.randn(s) * 0.1) for s in shapes]
+        ref_params = [torch.nn.Parameter(p.detach().clone()) for p in ours_params]
+        cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        opt = DeepOptimizerStates(ours_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, adamw=adamw,
+                                  subgroup_size=subgroup_size, schedule="cpu")
+        ref = cls(ref_params, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(6):
+            for k, (p, q) in enumerate(zip(ours_params, ref_params)):
+                skip = (k + step) % 4 == 0  # this param has no gradient this step
+                g = None if skip else torch.randn(p.shape, generator=gen) * 0.01
+                p.grad, q.grad = g, (None if g is None else g.clone())
+            opt.step()
+            ref.step()
+            for p, q in zip(ours_params, ref_params):
+                assert torch.equal(opt.master(p), q.detach()), f"step {step}: param of shape {tuple(p.shape)}"
+                if q in ref.state:
+                    assert torch.equal(opt.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_classic_adam_matches_torch_adam():
     model = mlp()
     opt = DeepOptimizerStates(model.parameters(), lr=1e-2, weight_decay=0.05, adamw=False, subgroup_size=2500,

@@ -28,6 +28,11 @@ import torch
 
 from .host_memory import HostSpec, check_host_capacity, host_empty_many
 
+# torch's fused CPU AdamW updates a tensor in units of 16 fp32 elements (a cache line), each a vectorised
+# body whose last (size % vector width) elements are rounded apart, as a scalar tail: a slice cut at a whole
+# number of units from a param's start, and ending where the param ends, has exactly the tail torch gives
+# that param (it updates each param apart), so its bits are torch's.
+ALIGN = 16
 HOST_BYTES_PER_ELEMENT = 16  # fp32 master + exp_avg + exp_avg_sq + grad landing zone
 _HOST_BUFFERS = ("master", "exp_avg", "exp_avg_sq", "grad32")
 
@@ -120,30 +125,42 @@ class Subgroup:
 
     def runs(self, has_grad: list[bool]) -> list[tuple[int, int, int]]:
         """(start, end, steps done) spans of this subgroup to update: params with a gradient, merged where
-        neighbours share a step count (one fused kernel call per span)."""
+        neighbours share a step count (one fused kernel call per span) and the span so far is a whole number
+        of ``ALIGN`` units (else the kernel would round the end of the earlier param as its body, where
+        torch, updating each param apart, rounds it as a tail: see ``ALIGN``)."""
         out: list[tuple[int, int, int]] = []
         for pc in self.pieces:
             if not has_grad[pc.i]:
                 continue
             steps, end = self.bucket.steps[pc.i], pc.at + pc.hi - pc.lo
-            if out and out[-1][1] == pc.at and out[-1][2] == steps:
+            if out and out[-1][1] == pc.at and out[-1][2] == steps and (pc.at - out[-1][0]) % ALIGN == 0:
                 out[-1] = (out[-1][0], end, steps)
             else:
                 out.append((pc.at, end, steps))
         return out
 
 
-def _split(numel: int, subgroup_size: int) -> list[tuple[int, int]]:
-    """Cut [0, numel) into near-equal pieces of at most about ``subgroup_size`` elements."""
+def _split(sizes: list[int], subgroup_size: int) -> list[tuple[int, int]]:
+    """Cut a bucket (its params' numels, in order) into near-equal pieces of about ``subgroup_size``
+    elements at most (up to ``ALIGN`` - 1 more); a cut inside a param falls a whole number of ``ALIGN``
+    units from its start, so that updating the two sides apart rounds every element as torch does."""
+    numel = sum(sizes)
     count = max(1, math.ceil(numel / subgroup_size))
     step = math.ceil(numel / count)
-    return [(s, min(s + step, numel)) for s in range(0, numel, step)]
+    offsets = list(itertools.accumulate(sizes, initial=0))
+    cuts = [0]
+    for target in range(step, numel, step):
+        off = offsets[bisect.bisect_right(offsets, target) - 1]  # the start of the param holding ``target``
+        cut = off + (target - off) // ALIGN * ALIGN
+        if cut > cuts[-1]:
+            cuts.append(cut)
+    return list(zip(cuts, [*cuts[1:], numel]))
 
 
 def subgroup_count(groups: list[tuple[list[torch.Tensor], list[str]]], subgroup_size: int) -> int:
     """How many subgroups a ``Layout`` of these groups will have, known before any host memory is pinned."""
-    totals = [sum(local(p).numel() for p in params) for params, _ in groups]
-    return sum(len(_split(n, subgroup_size)) for n in totals if n)
+    sizes = [[local(p).numel() for p in params] for params, _ in groups]
+    return sum(len(_split(n, subgroup_size)) for n in sizes if sum(n))
 
 
 def _pieces(bucket: Bucket, start: int, end: int) -> list[Piece]:
@@ -187,7 +204,7 @@ class Layout:
             bucket = Bucket(gi, list(params), list(names), offsets, numels, n, **host, steps=[0] * len(params),
                             step_tensors=[torch.zeros(()) for _ in params])
             self.buckets.append(bucket)
-            for start, end in _split(n, subgroup_size) if n else ():
+            for start, end in _split(numels, subgroup_size) if n else ():
                 self.subgroups.append(Subgroup(len(self.subgroups), bucket, start, end, _pieces(bucket, start, end)))
         self.dtypes = {id(p): p.dtype for b in self.buckets for p in b.params}
         self.shapes = {id(p): tuple(local(p).shape) for b in self.buckets for p in b.params}
