@@ -241,13 +241,13 @@ class _FirstForward:
     waits for their subgroups before anything else, and the update writes them first. The reads are seen by
     a torch function mode over the first forward (every torch function and tensor method a param reaches;
     not a custom kernel that takes its data pointer; not a forward compiled by torch.compile, whose reads
-    do not reach the mode: there only the modules that never ran are caught). The first forward itself runs with no update left
-    running (an error of the update before it is raised there). Its hooks stay for good (a compiled forward
-    does not see hooks added later). Not caught: reads outside the model's forward (``opt.synchronize()``
-    covers those), reads that begin only after the first forward (data-dependent control flow), and
-    training that never calls the model itself (only a submodule of it). What is learned is kept: a module
-    skipped in the first forward only (an MoE expert without tokens) is waited for first at every forward,
-    which costs overlap, not exactness."""
+    do not reach the mode: there only the modules that never ran are caught). The first forward itself
+    runs with no update left running (an error of the update before it is raised there). Its hooks stay
+    for good (a compiled forward does not see hooks added later). Not caught: reads outside the model's
+    forward (``opt.synchronize()`` covers those), reads that begin only after the first forward
+    (data-dependent control flow), and training that never calls the model itself (only a submodule of
+    it). What is learned is kept: a module skipped in the first forward only (an MoE expert without tokens)
+    is waited for first at every forward, which costs overlap, not exactness."""
 
     def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]],
                  owners: dict[int, tuple[int, frozenset]], wait: Callable, need: dict[int, int],
@@ -300,7 +300,6 @@ class _FirstForward:
         for i in [*sorted(self.unread), *rest]:
             self.need[i] = len(self.need)
 
-
     def _stop_watching(self, *args: Any) -> None:
         """After the first forward, also one that raised (an ``always_call`` hook)."""
         if self._mode is not None:
@@ -323,8 +322,7 @@ class _ParamReads(TorchFunctionMode):
 
 def _compiling() -> bool:
     """Whether dynamo is tracing (a mode pushed from a hook it traces would not be popped as it was pushed)."""
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
+    return torch.compiler.is_compiling()
 
 
 def _runs_forward(module: nn.Module) -> bool:
