@@ -200,6 +200,30 @@ def test_params_read_before_their_module_runs_are_waited_for(slow_adam, schedule
     assert sorted(ours._need_order, key=ours._need_order.get)[: len(head)] == sorted(head), "written first"
 
 
+def test_a_first_forward_that_raises_leaves_no_mode_behind_and_the_next_one_learns(slow_adam):
+    """The mode watching the first forward's reads is popped also when that forward raises, and the next
+    forward learns in its place (the early read of the head is caught all the same)."""
+    model = _ReadsTheHeadBeforeItRuns()
+    twin = copy.deepcopy(model)
+    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=300, overlap=o)
+                 for m, o in ((model, True), (twin, False)))
+    with pytest.raises(RuntimeError):
+        model(torch.randn(8, 17))  # a wrong width: raises inside the first forward
+    assert torch._C._len_torch_function_stack() == 0
+    losses = []
+    for m, o in ((model, ours), (twin, ref)):
+        gen, run = torch.Generator().manual_seed(2), []
+        for _ in range(4):
+            o.zero_grad()
+            loss = m(torch.randn(8, 16, generator=gen))
+            run.append(loss.detach().clone())
+            loss.backward()
+            o.step()
+        losses.append(run)
+    assert all(torch.equal(a, b) for a, b in zip(*losses)), "the early read met the update"
+    assert torch._C._len_torch_function_stack() == 0
+
+
 def test_reads_between_steps_wait_for_the_update(slow_adam):
     """opt.state, opt.state_dict(), model.state_dict() and an evaluation forward, right after step():
     each sees the finished update."""
