@@ -108,11 +108,13 @@ def ours(model: nn.Module, schedule, stream: bool = False, overlap: bool = False
     return opt
 
 
-def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, speculate: bool = False) -> None:
+def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, speculate: bool = False,
+               peer: bool = False) -> None:
     """With ``stream``, a second sharded copy trains without stream_grads beside it: the two must agree bit
     for bit (the streamed gradients and their norms take the same fp32 operations); with ``fill_ahead``
     the first also fills its staged subgroups' slots during backward, with ``speculate`` it runs its CPU
-    subgroups' updates ahead."""
+    subgroups' updates ahead; with ``peer`` (run unclipped) the same sharded model under FSDP2's usual
+    optimizer, torch's fused AdamW over the DTensor shards, must agree with ours bit for bit."""
     ref = make_model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     model = shard(make_model())
@@ -120,6 +122,8 @@ def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, spe
     filled = 0
     twin = shard(make_model()) if stream else None
     twin_opt = ours(twin, schedule) if stream else None
+    peer_model = shard(make_model()) if peer else None
+    peer_opt = torch.optim.AdamW(peer_model.parameters(), lr=LR, weight_decay=WD, fused=True) if peer else None
     for step in range(steps):
         train_step(model, opt, step, sharded=True)
         filled += opt.last_update.prefetched
@@ -127,6 +131,10 @@ def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, spe
         for (name, p), want in zip(model.named_parameters(), ref.parameters()):
             torch.testing.assert_close(p.full_tensor(), want.detach(), rtol=2e-5, atol=2e-6,
                                        msg=lambda m: f"step {step}, {name}: {m}")
+        if peer:
+            train_step(peer_model, peer_opt, step, sharded=True)
+            for (name, a), b in zip(model.named_parameters(), peer_model.parameters()):
+                assert torch.equal(a.to_local(), b.to_local()), f"step {step}, {name}: not FSDP2 + torch AdamW's bits"
         if stream:
             train_step(twin, twin_opt, step, sharded=True)
             assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), twin.parameters()))
@@ -135,6 +143,8 @@ def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, spe
         assert opt.speculation.kept > 0, "no update ran ahead and was kept"
         print(f"rank {dist.get_rank()}: {opt.speculation.kept} updates run ahead and kept, "
               f"{opt.speculation.undone} undone", flush=True)
+    if peer:
+        print(f"rank {dist.get_rank()}: equal FSDP2 + torch AdamW bit for bit", flush=True)
     if fill_ahead:
         assert filled > 0, "no staged subgroup was filled ahead"
         print(f"rank {dist.get_rank()}: {filled} staged subgroups filled during backward", flush=True)
@@ -348,6 +358,7 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="overlap: the first block prefetches the second")
     ap.add_argument("--fill-ahead", action="store_true", help="train: ours with prefetch=True (needs --stream)")
     ap.add_argument("--speculate", action="store_true", help="train, nonfinite: ours with speculate=True")
+    ap.add_argument("--peer", action="store_true", help="train: beside FSDP2 + torch AdamW, bit for bit (unclipped)")
     ap.add_argument("--max-norm", type=float, default=MAX_NORM, help="the global norm clipped to")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
@@ -359,7 +370,7 @@ def main() -> None:
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         if args.mode == "train":
-            train_mode(args.steps, schedule, args.stream, args.fill_ahead, args.speculate)
+            train_mode(args.steps, schedule, args.stream, args.fill_ahead, args.speculate, args.peer)
         elif args.mode == "save":
             save_mode(args.ckpt, args.before, args.after, args.out, schedule)
         elif args.mode == "calibrate":

@@ -52,6 +52,15 @@ def test_streamed_gradients_under_fsdp2_match_adamw_and_the_unstreamed_run(ranks
 
 
 @pytest.mark.parametrize("ranks,schedule", [(2, "cpu"), (3, "mixed")])
+def test_bit_for_bit_fsdp2_with_torch_adamw_on_the_same_shards(ranks, schedule):
+    """What an FSDP2 user runs today, torch's fused AdamW over the DTensor shards, and ours over the same
+    uneven shards (cut into subgroups inside params): the same bits at every step (unclipped: the global
+    norm's summation order is not torch's)."""
+    out = torchrun(ranks, "train", "--steps", "4", "--schedule", schedule, "--peer", "--max-norm", "1e3")
+    assert out.count("equal FSDP2 + torch AdamW bit for bit") == ranks
+
+
+@pytest.mark.parametrize("ranks,schedule", [(2, "cpu"), (3, "mixed")])
 def test_updates_run_ahead_under_fsdp2_equal_adamw_and_the_plain_run(ranks, schedule):
     """speculate=True under FSDP2 (uneven shards, accumulation, unclipped so the updates are kept): bit for
     bit the run that neither streams nor runs ahead, and torch AdamW."""
