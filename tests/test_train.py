@@ -102,6 +102,8 @@ def test_check_is_the_old_self_check(tmp_path):
     (["--min-lr-ratio", "2"], "argument --min-lr-ratio: must be between 0 and 1"),
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--prefetch"], "--prefetch needs --stream-grads"),
+    (["--speculate", "--overlap"], "--speculate needs --stream-grads"),
     (["--hidden", "100"], "--hidden must be a multiple of 64"),
     (["--data", "/nonexistent/file.txt"], "data:"),
     (["--model", "/nonexistent/model"], "--model /nonexistent/model: not a directory"),

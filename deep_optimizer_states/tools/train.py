@@ -200,6 +200,9 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         raise UsageError("--resume needs --checkpoint-dir")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir (where to write the checkpoints)")
+    for flag in ("prefetch", "speculate"):
+        if getattr(args, flag) and not args.stream_grads:
+            raise UsageError(f"--{flag} needs --stream-grads (it starts from the gradient hooks in backward)")
 
     # ---- model and data -----------------------------------------------------------------------------------
     tokenizer = None
