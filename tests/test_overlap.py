@@ -128,24 +128,26 @@ class _ReadsTheHead(nn.Module):
         return self.body(nn.functional.linear(x, self.head.weight, self.head.bias)).pow(2).mean()
 
 
-@pytest.mark.parametrize("schedule,compiled", [("cpu", False), ("mixed", False), ("cpu", True)],
-                         ids=["cpu", "mixed", "cpu_compiled"])
-def test_params_read_without_calling_their_module_are_waited_for(slow_adam, schedule, compiled):
-    """Learned in the first forward: the head never ran, so every later forward waits for its params first
-    (and the update writes them first). Without that, the forward reads the head while the update, slowed
-    down, is still writing it. Compiled (aot_eager) after the optimizer was built, too."""
-    torch._dynamo.reset()
-    model = _ReadsTheHead()
+def _head_pair(make, subgroup_size: int, schedule="cpu"):
+    """A model whose head is read by other code, with ours (overlap) and a twin with the plain optimizer."""
+    model = make()
     twin = copy.deepcopy(model)
-    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=700, overlap=o)
+    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=subgroup_size, overlap=o)
                  for m, o in ((model, True), (twin, False)))
     for opt in (ours, ref):
         _schedule(opt, schedule)
+    return model, ours, twin, ref
+
+
+def _head_waited_for(model, ours, twin, ref, compiled=False, seed=1, steps=5) -> None:
+    """Ours to the end first (its forward meets each update running), then the twin: the same losses,
+    states and params, and the head's subgroups written first."""
     head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
     losses = []
-    for m, o in ((model, ours), (twin, ref)):  # ours to the end first: its forward meets each update running
-        call, gen, run = torch.compile(m, backend="aot_eager") if compiled else m, torch.Generator().manual_seed(1), []
-        for _ in range(5):
+    for m, o in ((model, ours), (twin, ref)):
+        call = torch.compile(m, backend="aot_eager") if compiled else m
+        gen, run = torch.Generator().manual_seed(seed), []
+        for _ in range(steps):
             o.zero_grad()
             loss = call(torch.randn(8, 16, generator=gen))
             run.append(loss.detach().clone())
@@ -156,6 +158,16 @@ def test_params_read_without_calling_their_module_are_waited_for(slow_adam, sche
         assert torch.equal(a, b), f"step {step}: the forward read the head before the update wrote it"
     _assert_same(model, ours, twin, ref)
     assert sorted(ours._need_order, key=ours._need_order.get)[: len(head)] == sorted(head), "written first"
+
+
+@pytest.mark.parametrize("schedule,compiled", [("cpu", False), ("mixed", False), ("cpu", True)],
+                         ids=["cpu", "mixed", "cpu_compiled"])
+def test_params_read_without_calling_their_module_are_waited_for(slow_adam, schedule, compiled):
+    """Learned in the first forward: the head never ran, so every later forward waits for its params first
+    (and the update writes them first). Without that, the forward reads the head while the update, slowed
+    down, is still writing it. Compiled (aot_eager) after the optimizer was built, too."""
+    torch._dynamo.reset()
+    _head_waited_for(*_head_pair(_ReadsTheHead, 700, schedule), compiled=compiled)
 
 
 class _ReadsTheHeadBeforeItRuns(nn.Module):
@@ -177,50 +189,17 @@ def test_params_read_before_their_module_runs_are_waited_for(slow_adam, schedule
     every later forward waits for it first (and the update writes it first). Without that, the early read
     meets the update, slowed down, still writing it (the head is registered, and so written, last). Not
     under torch.compile: the compiled forward's reads do not reach the mode that watches them."""
-    model = _ReadsTheHeadBeforeItRuns()
-    twin = copy.deepcopy(model)
-    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=300, overlap=o)
-                 for m, o in ((model, True), (twin, False)))
-    for opt in (ours, ref):
-        _schedule(opt, schedule)
-    head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
-    losses = []
-    for m, o in ((model, ours), (twin, ref)):
-        gen, run = torch.Generator().manual_seed(1), []
-        for _ in range(5):
-            o.zero_grad()
-            loss = m(torch.randn(8, 16, generator=gen))
-            run.append(loss.detach().clone())
-            loss.backward()
-            o.step()
-        losses.append(run)
-    for step, (a, b) in enumerate(zip(*losses)):
-        assert torch.equal(a, b), f"step {step}: the forward read the head before the update wrote it"
-    _assert_same(model, ours, twin, ref)
-    assert sorted(ours._need_order, key=ours._need_order.get)[: len(head)] == sorted(head), "written first"
+    _head_waited_for(*_head_pair(_ReadsTheHeadBeforeItRuns, 300, schedule))
 
 
 def test_a_first_forward_that_raises_leaves_no_mode_behind_and_the_next_one_learns(slow_adam):
     """The mode watching the first forward's reads is popped also when that forward raises, and the next
     forward learns in its place (the early read of the head is caught all the same)."""
-    model = _ReadsTheHeadBeforeItRuns()
-    twin = copy.deepcopy(model)
-    ours, ref = (DeepOptimizerStates(m, lr=1e-2, subgroup_size=300, overlap=o)
-                 for m, o in ((model, True), (twin, False)))
+    model, ours, twin, ref = _head_pair(_ReadsTheHeadBeforeItRuns, 300)
     with pytest.raises(RuntimeError):
         model(torch.randn(8, 17))  # a wrong width: raises inside the first forward
     assert torch._C._len_torch_function_stack() == 0
-    losses = []
-    for m, o in ((model, ours), (twin, ref)):
-        gen, run = torch.Generator().manual_seed(2), []
-        for _ in range(4):
-            o.zero_grad()
-            loss = m(torch.randn(8, 16, generator=gen))
-            run.append(loss.detach().clone())
-            loss.backward()
-            o.step()
-        losses.append(run)
-    assert all(torch.equal(a, b) for a, b in zip(*losses)), "the early read met the update"
+    _head_waited_for(model, ours, twin, ref, seed=2, steps=4)
     assert torch._C._len_torch_function_stack() == 0
 
 

@@ -36,6 +36,18 @@ def _losses(model, opt, seed: int, steps: int) -> list[torch.Tensor]:
     return out
 
 
+def _same_run(model, ours, twin, ref, seed: int, what: str) -> None:
+    """Six steps of each on the same batches: the same loss at every forward, then the same masters, params
+    and states, bit for bit."""
+    got, want = _losses(model, ours, seed, 6), _losses(twin, ref, seed, 6)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}: {what}"
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours.master(p), ref.master(q))
+        assert torch.equal(p, q)
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
 @pytest.mark.parametrize("schedule", ["cpu", 3, "gpu", "mixed", "resident"], ids=str)
 @pytest.mark.parametrize("stream", [False, True], ids=["gathered", "streamed"])
 def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
@@ -54,13 +66,7 @@ def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
             opt.schedule = [R] * count
         else:
             opt.schedule = schedule
-    got, want = _losses(model, ours, seed, 6), _losses(twin, ref, seed, 6)
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"step {step}: the forward read params the update had not written yet"
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(ours.master(p), ref.master(q))
-        assert torch.equal(p, q)
-        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    _same_run(model, ours, twin, ref, seed, "the forward read params the update had not written yet")
 
 
 @pytest.mark.parametrize("schedule", [3, "gpu", "offload"], ids=str)
@@ -113,13 +119,7 @@ def test_updates_run_ahead_during_backward_change_no_bit(schedule, overlap, clip
     kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=clip, schedule=schedule)
     ours = DeepOptimizerStates(model, overlap=overlap, stream_grads=True, speculate=True, **kwargs)
     ref = DeepOptimizerStates(twin, **kwargs)
-    got, want = _losses(model, ours, seed, 6), _losses(twin, ref, seed, 6)
-    for step, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"step {step}: losses differ"
-    for p, q in zip(model.parameters(), twin.parameters()):
-        assert torch.equal(ours.master(p), ref.master(q))
-        assert torch.equal(p, q)
-        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+    _same_run(model, ours, twin, ref, seed, "losses differ")
     cpu = ours.placements.count(C)
     spec = ours.speculation
     print(f"kept {spec.kept}, undone {spec.undone}, called off {spec.called_off} of {cpu} CPU subgroups x 6 steps")
