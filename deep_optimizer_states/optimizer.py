@@ -793,10 +793,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 "failed_admissions": c.failed, "gpu_budget_bytes": budget.bytes() if budget.active else None,
                 "gpu_need_bytes": budget.need}
 
-    def calibrate(self) -> None:
-        """Measure this machine's rates now (else "auto" does it at the first step); cached per machine."""
+    def calibrate(self, force: bool = False) -> None:
+        """Load this machine's rates now, measuring them if none are stored or if ``force`` (else "auto" does
+        it at the first step); cached per machine. Every rank of a sharded model calls it together."""
         self.synchronize()
-        self.planner.calibrate()
+        self.planner.calibrate(force)
 
     # ---- lifetime -----------------------------------------------------------------------------------
     def _open(self) -> None:

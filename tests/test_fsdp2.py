@@ -136,7 +136,8 @@ def test_dcp_checkpoint_from_2_ranks_resumes_on_1_2_and_3(tmp_path, schedule):
 def test_ranks_calibrate_together_in_lock_step_and_keep_one_result(tmp_path):
     """A calibration stored on rank 0 only must not split the ranks (one loading, the others measuring at a
     barrier forever): all measure, passing the same barriers, and keep the average of their rates; once
-    every rank has the stored file, all load it and measure nothing."""
+    every rank has the stored file, all load it and measure nothing. A CPU path read far too slow on one
+    rank has every rank measure the engine again (else rank 0 would wait at rank 1's barriers)."""
     torchrun(2, "calibrate", "--out", str(tmp_path))
     rows = [json.loads((tmp_path / f"calibrate-{rank}.json").read_text()) for rank in (0, 1)]
     assert sorted(r["rank"] for r in rows) == [0, 1]
@@ -144,6 +145,8 @@ def test_ranks_calibrate_together_in_lock_step_and_keep_one_result(tmp_path):
     assert set(rows[0]["measured"].values()) != {7.0}, "rank 0's stored file was not used alone"
     assert rows[0]["barriers"] == rows[1]["barriers"] >= 11, "each rate measured after a barrier"
     assert rows[0]["stored"] == rows[1]["stored"] == rows[0]["measured"], "then loaded from the stored files"
+    assert len(rows[0]["engine_runs"]) == len(rows[1]["engine_runs"]) == 2, "rank 1's low reading: both again"
+    assert rows[1]["again"]["cpu_engine"] == rows[1]["engine_runs"][1], "the faster attempt kept"
 
 
 def test_single_process_state_dict_from_sharded_ranks(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import math
+import warnings
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -177,6 +178,34 @@ def test_calibration_measures_positive_rates_and_caches_them(tmp_path, monkeypat
     assert any("G elements/s" in line for line in lines) and any("GB/s" in line for line in lines)
     calibrate.save(rates, cpu)
     assert calibrate.calibrated_rates(cpu) == rates  # from the cache, not measured again
+
+
+@pytest.mark.parametrize("low_readings", [0, 1, calibrate.ENGINE_ATTEMPTS])
+def test_an_engine_cpu_path_read_far_below_the_kernel_is_measured_again(monkeypatch, low_readings):
+    """A busy host slows a reading and never speeds one up: the engine is measured again while its CPU path
+    reads below LOW_ENGINE_CPU of the bare kernel, the fastest attempt is kept, and a reading still low
+    after the last attempt warns (else "auto" would leave the CPU idle and never learn otherwise)."""
+    engine_rates, readings = calibrate._engine_rates, []
+
+    def low_at_first(*args, **kwargs):
+        rates = engine_rates(*args, **kwargs)
+        if len(readings) < low_readings:
+            rates = replace(rates, cpu_engine=rates.cpu_adam * calibrate.LOW_ENGINE_CPU * (len(readings) + 1) / 10)
+        readings.append(rates.cpu_engine)
+        return rates
+
+    monkeypatch.setattr(calibrate, "_engine_rates", low_at_first)
+    lines = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rates = calibrate.measure(torch.device("cpu"), numel=100_000, subgroups=4, log=lines.append)
+    assert len(readings) == min(low_readings + 1, calibrate.ENGINE_ATTEMPTS)
+    assert rates.cpu_engine == max(readings), "the fastest attempt is kept"
+    assert sum("measuring the engine again" in line for line in lines) == len(readings) - 1
+    warned = [w for w in caught if "cpu_threads" in str(w.message)]
+    assert len(warned) == (low_readings == calibrate.ENGINE_ATTEMPTS)
+    if warned:
+        assert "dos calibrate --force" in str(warned[0].message)
 
 
 def test_residents_are_priced_at_the_calibrated_resident_rate_else_at_the_kernel_rate():
