@@ -32,8 +32,8 @@ from .perfmodel import CPU_PATH_BYTES, STAGED_BYTES, Rates, fills
 CACHE_VERSION = 6  # 5: engine rates with the default staging slots (4); 6: the resident path's rate
 MIN_PER_SUBGROUP_S = 1e-6
 RESIDENT_SUBGROUPS = 4  # of the synthetic layout, timed resident (their states take 12 B/element of GPU memory)
-# The engine's CPU path runs the bare kernel's AdamW on the same threads: 0.44-0.88 of its rate in every
-# calibration on H200 hosts but one (0.07, 2026-11-30, fsdp2.md call 12), which then planned no CPU work,
+# The engine's CPU path runs the bare kernel's AdamW on the same threads: 0.44-0.91 of its rate in every
+# calibration on the 2-GPU hosts but one (0.07, 2026-11-30, fsdp2.md call 12), which then planned no CPU work,
 # so the refiner never saw the CPU again. Below this fraction the engine's rates are measured again.
 LOW_ENGINE_CPU = 0.25
 ENGINE_ATTEMPTS = 3
@@ -184,8 +184,9 @@ def _engine_rates_checked(device: torch.device, n: int, count: int, raw: dict, s
         warnings.warn(f"calibration: the engine's CPU path ran at {rates.cpu_engine / 1e9:.2f} G elements/s in "
                       f"{ENGINE_ATTEMPTS} attempts against the bare AdamW kernel's {rates.cpu_adam / 1e9:.2f}, so "
                       "\"auto\" will put little or nothing on the CPU. If the host was busy (another job, another "
-                      "process freeing memory), recalibrate (`dos calibrate --force`, or opt.calibrate(force=True)); if the CPU threads "
-                      f"({torch.get_num_threads()}) are as many as the cores, pass cpu_threads= fewer")
+                      "process freeing memory), recalibrate (`dos calibrate --force`, or opt.calibrate(force=True)); "
+                      f"if the CPU threads ({torch.get_num_threads()}) are as many as the cores, pass fewer "
+                      "(cpu_threads=)")
     return rates
 
 
