@@ -1,7 +1,8 @@
 """The systems under comparison, each set up the way its documentation recommends.
 
 Every system trains the same Llama-style model (``deep_optimizer_states.tools.models.llama``, seed 0) with AdamW
-(lr 1e-4, weight decay 0.01) in bf16 compute. A system is a ``Trainer``: forward (returns the loss),
+(lr 1e-4, weight decay 0.01) in bf16 compute; the FSDP2 peer builds it on the meta device and draws its
+shards from N(0, 0.02) as the model's own init does, with other draws (its losses start elsewhere). A system is a ``Trainer``: forward (returns the loss),
 backward, step (including zero_grad), and ``extra()`` with what only it can tell (PCIe bytes, pinned host
 memory). Peers' packages (DeepSpeed, torchao) are imported only when their system is asked for.
 """
@@ -169,19 +170,39 @@ def torchao_offload(preset: str, device: torch.device, batch: int) -> Trainer:
 
 def fsdp2_offload_model(preset: str, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """FSDP2 fully_shard per decoder layer and the root over the current process group, with
-    CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32 reduce) and torch's fused CPU AdamW."""
+    CPUOffloadPolicy(pin_memory=True on a GPU), bf16 MixedPrecisionPolicy (fp32 reduce) and torch's fused CPU
+    AdamW. Built as FSDP2's docs and torchtitan do for large models: on the meta device, sharded, then each
+    rank's shards made on the host (pinned by FSDP2) and initialised; no rank ever holds the whole fp32
+    model (built whole on every rank, the 10.6B model's host peak was 230 GB for two ranks, rows before
+    2026-11-30's fourteenth session)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    model = llama(preset, torch.float32, "cpu")
-    for module in model.modules():  # rotary buffers must live on the GPU; params stay on the host
-        for name, buf in list(module.named_buffers(recurse=False)):
-            setattr(module, name, buf.to(device))
+    model = llama(preset, torch.float32, "meta")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    offload = CPUOffloadPolicy(pin_memory=True)
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
+    model.to_empty(device="cpu")
+    rotary = model.model.rotary_emb  # its buffers were never computed on the meta device; they live on the GPU
+    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
+    init_shards(model, model.config.initializer_range)
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+
+@torch.no_grad()
+def init_shards(model: torch.nn.Module, std: float, seed: int = 0) -> None:
+    """Each param of an FSDP2 model drawn whole from a generator of its own (norm weights 1), each rank
+    keeping its own rows (FSDP2 shards dim 0 as torch.chunk does): the same model on any number of ranks."""
+    for index, (name, p) in enumerate(model.named_parameters()):
+        local = p.to_local()
+        if name.endswith("norm.weight"):
+            local.fill_(1.0)
+            continue
+        full = torch.empty(p.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed * 10_007 + index))
+        rows = full.chunk(p.device_mesh.size(), dim=0)
+        rank = p.device_mesh.get_local_rank()
+        local.copy_(rows[rank] if rank < len(rows) else full[:0])
 
 
 def fsdp2_offload(preset: str, device: torch.device, batch: int) -> Trainer:

@@ -356,11 +356,31 @@ def bad_schedule_mode() -> None:
         print(f"REFUSED rank {dist.get_rank()}: {e}", flush=True)
 
 
+def peer_build_mode(out: str, steps: int) -> None:
+    """The benchmark's FSDP2 + CPUOffloadPolicy peer, built from the meta device: rank 0 saves the whole
+    initial model (the same on any number of ranks), then every rank trains ``steps`` steps on one batch."""
+    from bench.systems import fsdp2_offload_model
+
+    model, opt = fsdp2_offload_model("tiny", DEVICE)
+    assert not any(p.to_local().is_meta or b.is_meta for p in model.parameters() for b in model.buffers())
+    initial = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if dist.get_rank() == 0:
+        torch.save({"initial": initial, "losses": losses}, os.path.join(out, f"peer-{dist.get_world_size()}.pt"))
+
+
 def main() -> None:
     global DEVICE, MAX_NORM
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite",
-                                     "overlap", "bad_schedule"])
+                                     "overlap", "bad_schedule", "peer_build"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -390,6 +410,8 @@ def main() -> None:
             calibrate_mode(args.out)
         elif args.mode == "bad_schedule":
             bad_schedule_mode()
+        elif args.mode == "peer_build":
+            peer_build_mode(args.out, args.steps)
         elif args.mode == "mixed_precision":
             mixed_precision_mode(args.steps, schedule)
         elif args.mode == "nonfinite":

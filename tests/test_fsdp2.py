@@ -149,6 +149,20 @@ def test_ranks_calibrate_together_in_lock_step_and_keep_one_result(tmp_path):
     assert rows[1]["again"]["cpu_engine"] == rows[1]["engine_runs"][1], "the faster attempt kept"
 
 
+def test_the_benchmark_fsdp2_peer_built_from_the_meta_device_is_the_same_on_any_number_of_ranks(tmp_path):
+    """bench's FSDP2 + CPUOffloadPolicy peer starts on the meta device (so that no rank holds the whole fp32
+    model): every param and buffer is then made, the initial model is the same on 1 and 3 ranks (uneven
+    shards), and the peer trains."""
+    for ranks in (1, 3):
+        torchrun(ranks, "peer_build", "--out", str(tmp_path), "--steps", "3")
+    one, three = (torch.load(tmp_path / f"peer-{ranks}.pt") for ranks in (1, 3))
+    assert one["initial"].keys() == three["initial"].keys()
+    for name, value in one["initial"].items():
+        assert torch.equal(value, three["initial"][name]), name
+        assert torch.all(value == 1) if name.endswith("norm.weight") else 0.01 < float(value.std()) < 0.03, name
+    assert one["losses"][-1] < one["losses"][0] and three["losses"][-1] < three["losses"][0]
+
+
 def test_single_process_state_dict_from_sharded_ranks(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
