@@ -1,7 +1,8 @@
 #!/bin/bash
 # One call on a multi-GPU machine (nvidia-h200-x2): peers' wheels installed once, then the steps in order,
 # results kept in /tmp/dist (it survives between calls while the machine stays warm) and copied to $OUT
-# after each step. A step that would start after DEADLINE seconds is left for the next call.
+# after each step. A step that would start after DEADLINE seconds is left for the next call, and so is a run
+# that its last recorded run says would not end by then (bench/dist_estimate.py).
 #
 #   bench/dist_call.sh DEADLINE STEP...
 #   STEP: run:SYSTEM:MODEL:RANKS[:SWEEP] | gputest[:REPEATS] | startup:SIZES:PRESETS | topo
@@ -28,6 +29,11 @@ for step in "$@"; do
   if [ $left -le 0 ]; then echo "deadline: $step not started"; continue; fi
   case $kind in
     run)
+      need=$(python3 -m bench.dist_estimate "$a" "$b" "$c" "${WARMUP:-2}" "${ITERS:-5}" 2>/dev/null || echo 0)
+      if [ "${need:-0}" -gt "$left" ]; then
+        echo "deadline: $step not started (about $need s needed by its last recorded run, $left s left)"; continue
+      fi
+      started=$SECONDS
       threads=""
       [ "${a#ours}" = "$a" ] && threads="OMP_NUM_THREADS=$((cores / c))"
       log=$R/$a-$b-$c-slots${SLOTS:-2}.log
@@ -39,7 +45,7 @@ for step in "$@"; do
       else
         echo "{\"system\": \"$a\", \"model\": \"$b\", \"ranks\": $c, \"status\": \"no result (rc $rc)\"}" >> $R/dist.jsonl
       fi
-      echo "rc=$rc $step"; tr '\r' '\n' < "$log" | grep '^RESULT ' | cut -c1-700 || tail -5 "$log" ;;
+      echo "rc=$rc $step ($((SECONDS - started)) s)"; tr '\r' '\n' < "$log" | grep '^RESULT ' | cut -c1-700 || tail -5 "$log" ;;
     topo) { nvidia-smi topo -m; lscpu | grep -iE "^(socket|numa|model name|core|thread)"; } 2>&1 | tee $R/topo.log ;;
     gputest) DOS_GPU_REPEATS=${a:-2} timeout $left python3 -m pytest -q -m gpu tests/gpu tests/test_host_memory.py 2>&1 \
                > $R/gpu-tests.log; grep -E "^(FAILED|ERROR)|passed|failed" $R/gpu-tests.log | tail -15 ;;

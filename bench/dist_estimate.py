@@ -1,0 +1,43 @@
+"""Seconds a step of ``bench/dist_call.sh`` is expected to take, so that the script does not start a run its
+deadline would kill (the device time spent on it would be lost, as in 2026-11-30's x2 call 12, where two
+runs were killed that way: about 250 of the session's 1800 s).
+
+    python3 -m bench.dist_estimate SYSTEM MODEL RANKS WARMUP ITERS   # prints whole seconds, 0 if unknown
+
+From the newest finished row of the same system, model and rank count in docs/benchmarks/dist-results.jsonl:
+its setup, the iterations this run will take (``WARMUP + ITERS`` phase-timed, ``ITERS + 1`` counted) at the
+slower of its two iteration times, and a fixed cost for launching, calibrating and freeing the pinned memory
+(30-35 s measured from call 12's command walls, rounded up).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+ROWS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "dist-results.jsonl"
+OVERHEAD_S = 40.0
+
+
+def estimate(rows: list[dict], system: str, model: str, ranks: int, warmup: int, iters: int) -> float | None:
+    """Expected seconds of one run, or None when no finished run of it is recorded."""
+    done = [r for r in rows if r.get("status") == "ok" and r.get("system") == system and r.get("model") == model
+            and r.get("ranks") == ranks and r.get("setup_s") is not None]
+    if not done:
+        return None
+    row = done[-1]
+    per_iteration = max(row.get("iter_s") or 0.0, row.get("iter_phases_s") or 0.0)
+    return row["setup_s"] + (warmup + 2 * iters + 1) * per_iteration + OVERHEAD_S
+
+
+def main(argv: list[str] | None = None) -> int:
+    system, model, ranks, warmup, iters = (argv if argv is not None else sys.argv[1:])
+    rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
+    seconds = estimate(rows, system, model, int(ranks), int(warmup), int(iters))
+    print(0 if seconds is None else round(seconds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
