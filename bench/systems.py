@@ -4,7 +4,8 @@ Every system trains the same Llama-style model (``deep_optimizer_states.tools.mo
 (lr 1e-4, weight decay 0.01) in bf16 compute; the FSDP2 peer builds it on the meta device and draws its
 shards from N(0, 0.02) as the model's own init does, with other draws (its losses start elsewhere). A
 system is a ``Trainer``: forward (returns the loss), backward, step (including zero_grad), and ``extra()``
-with what only it can tell (PCIe bytes, pinned host memory). Peers' packages (DeepSpeed, torchao) are imported only when their system is asked for.
+with what only it can tell (PCIe bytes, pinned host memory). Peers' packages (DeepSpeed, torchao) are
+imported only when their system is asked for.
 """
 
 from __future__ import annotations
