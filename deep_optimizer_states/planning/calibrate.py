@@ -184,9 +184,9 @@ def _engine_rates_checked(device: torch.device, n: int, count: int, raw: dict, s
         warnings.warn(f"calibration: the engine's CPU path ran at {rates.cpu_engine / 1e9:.2f} G elements/s in "
                       f"{ENGINE_ATTEMPTS} attempts against the bare AdamW kernel's {rates.cpu_adam / 1e9:.2f}, so "
                       "\"auto\" will put little or nothing on the CPU. If the host was busy (another job, another "
-                      "process freeing memory), recalibrate (`dos calibrate --force`, or opt.calibrate(force=True)); "
-                      f"if the CPU threads ({torch.get_num_threads()}) are as many as the cores, pass fewer "
-                      "(cpu_threads=)")
+                      f"process freeing memory), measure again: delete {cache_path(device)} (or call "
+                      "opt.calibrate(force=True), on every rank of a sharded model); if the CPU threads "
+                      f"({torch.get_num_threads()}) are as many as the cores, pass fewer (cpu_threads=)")
     return rates
 
 
