@@ -597,3 +597,35 @@ def test_held_gradients_go_exactly_when_their_last_reader_has_gathered(seed):
             assert (id(p) in grads) == (left[id(p)] > 0 or not any(
                 any(r.bucket.params[pc.i] is p for pc in r.pieces) for r in readers))
     opt.close()
+
+
+def test_a_loop_that_calls_only_a_part_of_the_model_stays_exact_and_is_told(slow_adam):
+    """The model's first forward teaches the waits for params read outside their own module's forward. A
+    loop that never calls the model itself, only a part of it that reads its head early, never runs that
+    forward: each forward of a part then waits for the whole update, bit for bit the plain optimizer's run,
+    and the user is told once that it is not overlapped. Without that, the early read meets the update,
+    slowed down, still writing the head."""
+    import warnings
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = _ReadsTheHeadBeforeItRuns()
+
+    model, ours, twin, ref = _head_pair(Outer, 300)
+    losses = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for m, o in ((model, ours), (twin, ref)):
+            gen, run = torch.Generator().manual_seed(1), []
+            for _ in range(5):
+                o.zero_grad()
+                loss = m.inner(torch.randn(8, 16, generator=gen))
+                run.append(loss.detach().clone())
+                loss.backward()
+                o.step()
+            losses.append(run)
+    for step, (a, b) in enumerate(zip(*losses)):
+        assert torch.equal(a, b), f"step {step}: the part read the head before the update wrote it"
+    _assert_same(model, ours, twin, ref)
+    assert sum("has not run a forward of its own" in str(w.message) for w in caught) == 1

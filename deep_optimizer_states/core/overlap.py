@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
@@ -207,6 +208,9 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         readers = [(m, indices) for m, indices in readers if indices]
         owners = {id(p): (id(m), subgroups([p])) for m, params in owned for p in params if subgroups([p])}
         first = _FirstForward(model, readers, owners, wait, need, ref, handles)
+        for m in model.modules():  # a part called on its own may read params of others before they run
+            if m is not model and next(m.parameters(), None) is not None:
+                handles.append(m.register_forward_pre_hook(_before_first_forward(first), prepend=True))
         for m, indices in readers:
             handles.append(m.register_forward_pre_hook(_module_waits(m, indices, first, wait), prepend=True))
             order.append(indices)
@@ -233,6 +237,14 @@ def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward",
     return hook
 
 
+def _before_first_forward(first: "_FirstForward") -> Callable:
+    """A part of the model's pre-forward check: is this forward outside the model's own, before its first?"""
+    def hook(*args: Any) -> None:
+        if not (first.done or first.active):
+            first.outside()
+    return hook
+
+
 class _FirstForward:
     """Learns from the model's first forward which params are read by code other than their own module's
     before that module's forward began: those of modules that never ran in it (``F.linear(x,
@@ -245,9 +257,11 @@ class _FirstForward:
     runs with no update left running (an error of the update before it is raised there). Its hooks stay
     for good (a compiled forward does not see hooks added later). Not caught: reads outside the model's
     forward (``opt.synchronize()`` covers those), reads that begin only after the first forward
-    (data-dependent control flow), and training that never calls the model itself (only a submodule of
-    it). What is learned is kept: a module skipped in the first forward only (an MoE expert without tokens)
-    is waited for first at every forward, which costs overlap, not exactness."""
+    (data-dependent control flow). Until the model's first forward, a forward of a part of it waits for the
+    whole update (``outside``): a loop that never calls the model itself (only submodules) stays exact, and
+    is told once that it is not overlapped. What is learned is kept: a module skipped in the first forward
+    only (an MoE expert without tokens) is waited for first at every forward, which costs overlap, not
+    exactness."""
 
     def __init__(self, model: nn.Module, readers: list[tuple[nn.Module, frozenset]],
                  owners: dict[int, tuple[int, frozenset]], wait: Callable, need: dict[int, int],
@@ -257,7 +271,7 @@ class _FirstForward:
         self.fired: set[int] = {id(model)}  # the model's own pre-hook runs before the reads are watched
         self.early: set[int] = set()  # subgroups of params read before their module's forward began
         self.unread: frozenset = frozenset()
-        self.active = self.done = False
+        self.active = self.done = self.told = False
         self._mode: _ParamReads | None = None
         handles += [model.register_forward_pre_hook(self._begin, prepend=True), model.register_forward_hook(self._end),
                     model.register_forward_hook(self._stop_watching, always_call=True)]
@@ -273,6 +287,22 @@ class _FirstForward:
         """A reader module's forward began (its pre-hook)."""
         if self.active:
             self.fired.add(id(module))
+
+    def outside(self) -> None:
+        """A module's forward before the model's own first forward, which has not yet taught which params
+        are read outside their own module's forward: with an update left running, wait for all of it."""
+        opt = self.ref()
+        if opt is None or opt.overlapper is None or not opt.overlapper.busy:
+            return
+        if not self.told:
+            self.told = True
+            warnings.warn("overlap=True: a part of the model ran its forward while the update was running, and "
+                          "the model given to DeepOptimizerStates has not run a forward of its own since the "
+                          "optimizer was built. Its first forward teaches the waits for params read outside their "
+                          "own module's forward (a shared weight used through F.linear); until then each such "
+                          "forward waits for the whole update: exact, but not overlapped. Call the model itself "
+                          "to overlap", RuntimeWarning)
+        opt.synchronize()
 
     def __deepcopy__(self, memo: dict) -> "_FirstForward":
         """A deep copy of the model (an EMA copy) keeps calling the original's hooks, as its other waits do."""
