@@ -174,7 +174,9 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
       without one (``nn.ParameterList``, ``nn.ParameterDict``), which only it can read; under FSDP2 each
       ``fully_shard`` unit, whose own pre-hook all-gathers its shards (and those of the units it prefetches)
       on a stream of its own, so ours runs first and waits on the host; without FSDP2, also a wait at the
-      model's forward for the params of modules that never ran in its first forward (``_FirstForward``);
+      model's forward for the params of modules that never ran in its first forward (``_FirstForward``),
+      and, until that first forward, a pre-hook on every part with params that waits for the whole update
+      when the part runs on its own (nothing taught yet about params read before their module runs);
     - without FSDP2, a gradient hook per param that makes a backward wait the same way before autograd
       accumulates into a gradient the update may still read (after a forward it has waited already; a
       backward through a retained graph has not). FSDP2 writes sharded gradients itself, after the
