@@ -19,7 +19,7 @@ import torch
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import Placement
-from deep_optimizer_states.tools.models import llama
+from deep_optimizer_states.tools.models import llama, materialize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 CLIP = 1.0  # max_grad_norm of the systems named *_clip (the Hugging Face Trainer's default)
@@ -184,26 +184,9 @@ def fsdp2_offload_model(preset: str, device: torch.device) -> tuple[torch.nn.Mod
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mp_policy=mp, offload_policy=offload)
-    model.to_empty(device="cpu")
-    rotary = model.model.rotary_emb  # its buffers were never computed on the meta device; they live on the GPU
-    model.model.rotary_emb = type(rotary)(config=model.config).to(device)
-    init_shards(model, model.config.initializer_range)
+    materialize(model, "cpu")  # the shards on the host (FSDP2 pins them)
+    model.model.rotary_emb.to(device)  # its buffers (no params) on the GPU, where the forward runs
     return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-
-
-@torch.no_grad()
-def init_shards(model: torch.nn.Module, std: float, seed: int = 0) -> None:
-    """Each param of an FSDP2 model drawn whole from a generator of its own (norm weights 1), each rank
-    keeping its own rows (FSDP2 shards dim 0 as torch.chunk does): the same model on any number of ranks."""
-    for index, (name, p) in enumerate(model.named_parameters()):
-        local = p.to_local()
-        if name.endswith("norm.weight"):
-            local.fill_(1.0)
-            continue
-        full = torch.empty(p.shape).normal_(0.0, std, generator=torch.Generator().manual_seed(seed * 10_007 + index))
-        rows = full.chunk(p.device_mesh.size(), dim=0)
-        rank = p.device_mesh.get_local_rank()
-        local.copy_(rows[rank] if rank < len(rows) else full[:0])
 
 
 def fsdp2_offload(preset: str, device: torch.device, batch: int) -> Trainer:

@@ -47,7 +47,8 @@ def _gpu_preset(device: torch.device) -> str:
 
 
 def _llama(hidden: int, layers: int, vocab: int, seq: int, seed: int):
-    """A randomly initialised LlamaForCausalLM (fp32, CPU), shaped as tools/models.py's presets."""
+    """A LlamaForCausalLM shaped as tools/models.py's presets, on the current default device (the caller
+    builds it on the meta device and materialises it, sharded or not)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     head_dim = 64 if hidden < 1024 else 128
@@ -187,7 +188,7 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     from ..optimizer import DeepOptimizerStates
     from .data import load_text_data
     from .distributed import mean_over_ranks, shard
-    from .models import PRESETS
+    from .models import PRESETS, materialize
 
     say = _log if rank == 0 else (lambda *a, **k: None)
     cuda = device.type == "cuda"
@@ -229,12 +230,15 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
                              f"({data.vocab_size}{', bytes: no tokenizer in the directory' if tokenizer is None else ''})")
     else:
         vocab = data.vocab_size
-        model = _llama(hidden, layers, vocab, seq, args.seed)
-    model = model.to(device, dtype)
+        with torch.device("meta"):
+            model = _llama(hidden, layers, vocab, seq, args.seed)
+    model = model.to(dtype) if model.device.type == "meta" else model.to(device, dtype)
     model.train()
     numel = sum(p.numel() for p in model.parameters())
     if world > 1:
         model = shard(model)
+    if next(model.parameters()).device.type == "meta":  # each rank makes only its own shards: no process
+        materialize(model, device, args.seed)  # holds the whole model (the same model on any rank count)
 
     steps, accum = args.steps, args.accum
     warmup = args.warmup if args.warmup is not None else min(100, steps // 10)
