@@ -357,14 +357,16 @@ def bad_schedule_mode() -> None:
 
 
 def peer_build_mode(out: str, steps: int) -> None:
-    """The benchmark's FSDP2 + CPUOffloadPolicy peer, built from the meta device: rank 0 saves the whole
-    initial model (the same on any number of ranks), then every rank trains ``steps`` steps on one batch."""
+    """The benchmark's FSDP2 + CPUOffloadPolicy peer, built from the meta device: every rank saves its
+    initial shards (rows of the whole model, the same on any number of ranks), then trains ``steps`` steps
+    on one batch."""
     from bench.systems import fsdp2_offload_model
 
     model, opt = fsdp2_offload_model("tiny", DEVICE)
     assert not any(p.to_local().is_meta or b.is_meta for p in model.parameters() for b in model.buffers())
-    initial = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0))
+    assert all(b.device.type == DEVICE.type for b in model.buffers()), "the rotary buffers where the forward runs"
+    initial = {name: p.to_local().detach().cpu().clone() for name, p in model.named_parameters()}
+    ids = torch.randint(0, 1000, (1, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     losses = []
     for _ in range(steps):
         loss = model(input_ids=ids, labels=ids).loss
@@ -372,8 +374,8 @@ def peer_build_mode(out: str, steps: int) -> None:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    if dist.get_rank() == 0:
-        torch.save({"initial": initial, "losses": losses}, os.path.join(out, f"peer-{dist.get_world_size()}.pt"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.save({"initial": initial, "losses": losses}, os.path.join(out, f"peer-{world}-{rank}.pt"))
 
 
 def main() -> None:

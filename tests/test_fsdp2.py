@@ -153,14 +153,21 @@ def test_the_benchmark_fsdp2_peer_built_from_the_meta_device_is_the_same_on_any_
     """bench's FSDP2 + CPUOffloadPolicy peer starts on the meta device (so that no rank holds the whole fp32
     model): every param and buffer is then made, the initial model is the same on 1 and 3 ranks (uneven
     shards), and the peer trains."""
-    for ranks in (1, 3):
-        torchrun(ranks, "peer_build", "--out", str(tmp_path), "--steps", "3")
-    one, three = (torch.load(tmp_path / f"peer-{ranks}.pt") for ranks in (1, 3))
-    assert one["initial"].keys() == three["initial"].keys()
-    for name, value in one["initial"].items():
-        assert torch.equal(value, three["initial"][name]), name
+    check_peer_built_the_same(tmp_path, (1, 3))
+
+
+def check_peer_built_the_same(out, rank_counts, *device: str) -> None:
+    """Run the peer on each rank count; the ranks' initial shards, concatenated, are one model every time."""
+    models = []
+    for ranks in rank_counts:
+        torchrun(ranks, "peer_build", "--out", str(out), "--steps", "3", *device)
+        runs = [torch.load(out / f"peer-{ranks}-{rank}.pt") for rank in range(ranks)]
+        assert all(r["losses"][-1] < r["losses"][0] for r in runs), "the peer trains"
+        models.append({name: torch.cat([r["initial"][name] for r in runs]) for name in runs[0]["initial"]})
+    first = models[0]
+    for name, value in first.items():
         assert torch.all(value == 1) if name.endswith("norm.weight") else 0.01 < float(value.std()) < 0.03, name
-    assert one["losses"][-1] < one["losses"][0] and three["losses"][-1] < three["losses"][0]
+        assert all(torch.equal(value, other[name]) for other in models[1:]), name
 
 
 def test_single_process_state_dict_from_sharded_ranks(tmp_path):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.test_fsdp2 import torchrun
+from tests.test_fsdp2 import check_peer_built_the_same, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
@@ -60,3 +60,9 @@ def test_overlap_under_fsdp2_on_two_gpus(schedule, stream):
     out = torchrun(2, "overlap", "--steps", "4", "--schedule", schedule, *(["--stream"] if stream else []),
                    "--device", "cuda")
     assert out.count("overlapped, 4 steps equal the synchronous run bit for bit") == 2
+
+
+def test_the_benchmark_fsdp2_peer_from_the_meta_device_on_gpus(tmp_path):
+    """bench's FSDP2 + CPUOffloadPolicy peer on NCCL (shards pinned on the host by FSDP2, rotary buffers on
+    the GPU), built from the meta device on 1 and 2 GPUs: the same model both times, and it trains."""
+    check_peer_built_the_same(tmp_path, (1, 2), "--device", "cuda")
