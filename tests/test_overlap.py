@@ -599,12 +599,14 @@ def test_held_gradients_go_exactly_when_their_last_reader_has_gathered(seed):
     opt.close()
 
 
-def test_a_loop_that_calls_only_a_part_of_the_model_stays_exact_and_is_told(slow_adam):
+@pytest.mark.parametrize("raised_first", [False, True], ids=["plain", "after_a_first_forward_that_raised"])
+def test_a_loop_that_calls_only_a_part_of_the_model_stays_exact_and_is_told(slow_adam, raised_first):
     """The model's first forward teaches the waits for params read outside their own module's forward. A
     loop that never calls the model itself, only a part of it that reads its head early, never runs that
     forward: each forward of a part then waits for the whole update, bit for bit the plain optimizer's run,
     and the user is told once that it is not overlapped. Without that, the early read meets the update,
-    slowed down, still writing the head."""
+    slowed down, still writing the head. Also after a call of the model itself that raised (its first
+    forward never ended, so it taught nothing)."""
     import warnings
 
     class Outer(nn.Module):
@@ -613,6 +615,11 @@ def test_a_loop_that_calls_only_a_part_of_the_model_stays_exact_and_is_told(slow
             self.inner = _ReadsTheHeadBeforeItRuns()
 
     model, ours, twin, ref = _head_pair(Outer, 300)
+    if raised_first:
+        with pytest.raises(RuntimeError):
+            model.inner(torch.randn(8, 17))  # raises inside the forward: nothing learned
+        with pytest.raises(NotImplementedError):
+            model(torch.randn(8, 16))  # the model itself has no forward: its first forward raises
     losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

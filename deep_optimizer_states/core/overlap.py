@@ -333,10 +333,14 @@ class _FirstForward:
             self.need[i] = len(self.need)
 
     def _stop_watching(self, *args: Any) -> None:
-        """After the first forward, also one that raised (an ``always_call`` hook)."""
+        """After the first forward, also one that raised (an ``always_call`` hook): the mode goes, and a first
+        forward that raised is no longer under way (the next forward of the model, or of a part, is then
+        treated as before any first forward)."""
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+        if not self.done:
+            self.active = False
 
 
 class _ParamReads(TorchFunctionMode):
