@@ -164,3 +164,32 @@ def test_stream_grads_and_overlap_train_the_same_curve(tmp_path):
         str(tmp_path / "speculate.json"), cache=tmp_path)
     speculate = json.loads((tmp_path / "speculate.json").read_text())
     assert speculate["losses"] == plain["losses"] and speculate["final_eval_loss"] == plain["final_eval_loss"]
+
+
+def test_a_model_built_on_the_meta_device_is_made_whole_with_its_ties_biases_and_rotary_buffers():
+    """tools/models.py's materialize, as `dos train` uses it: tied weights stay one Parameter, biases 0,
+    norm weights 1, the rest N(0, initializer_range), rotary buffers computed (a meta model has none), and
+    the same values as a second materialisation with the same seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deep_optimizer_states.tools.models import materialize
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                      intermediate_size=128, vocab_size=100, tie_word_embeddings=True, attention_bias=True)
+    models = []
+    for _ in range(2):
+        with torch.device("meta"):
+            models.append(materialize(LlamaForCausalLM(cfg), "cpu", seed=3))
+    model = models[0]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        assert not p.is_meta and torch.equal(p, dict(models[1].named_parameters())[name]), name
+        if name.endswith(".bias"):
+            assert torch.all(p == 0), name
+        elif name.endswith("norm.weight"):
+            assert torch.all(p == 1), name
+        else:
+            assert abs(float(p.std()) - cfg.initializer_range) < 0.2 * cfg.initializer_range, name
+    assert all(not b.is_meta and torch.isfinite(b).all() for b in model.buffers())
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    assert 4.0 < float(model(input_ids=ids, labels=ids).loss) < 5.2, "near ln(100) = 4.6 untrained"
