@@ -29,7 +29,7 @@ for step in "$@"; do
   if [ $left -le 0 ]; then echo "deadline: $step not started"; continue; fi
   case $kind in
     run)
-      need=$(python3 -m bench.dist_estimate "$a" "$b" "$c" "${WARMUP:-2}" "${ITERS:-5}" 2>/dev/null || echo 0)
+      need=$(python3 -m bench.dist_estimate "$a" "$b" "$c" "${WARMUP:-2}" "${ITERS:-5}" "${d:-}" 2>/dev/null || echo 0)
       if [ "${need:-0}" -gt "$left" ]; then
         echo "deadline: $step not started (about $need s needed by its last recorded run, $left s left)"; continue
       fi
@@ -40,12 +40,14 @@ for step in "$@"; do
       env $threads timeout $left torchrun --standalone --nproc_per_node "$c" -m bench.dist_run --system "$a" \
           --model "$b" --warmup "${WARMUP:-2}" --iters "${ITERS:-5}" --sweep "${d:-}" --slots "${SLOTS:-2}" > "$log" 2>&1
       rc=$?
-      if tr '\r' '\n' < "$log" | grep -q '^RESULT '; then
-        tr '\r' '\n' < "$log" | grep '^RESULT ' | sed 's/^RESULT //' >> $R/dist.jsonl
+      results=$(tr '\r' '\n' < "$log" | grep '^RESULT ')
+      if [ -n "$results" ]; then
+        sed 's/^RESULT //' <<< "$results" >> $R/dist.jsonl
       else
         echo "{\"system\": \"$a\", \"model\": \"$b\", \"ranks\": $c, \"status\": \"no result (rc $rc)\"}" >> $R/dist.jsonl
       fi
-      echo "rc=$rc $step ($((SECONDS - started)) s)"; tr '\r' '\n' < "$log" | grep '^RESULT ' | cut -c1-700 || tail -5 "$log" ;;
+      echo "rc=$rc $step ($((SECONDS - started)) s)"
+      if [ -n "$results" ]; then cut -c1-700 <<< "$results"; else tail -5 "$log"; fi ;;
     topo) { nvidia-smi topo -m; lscpu | grep -iE "^(socket|numa|model name|core|thread)"; } 2>&1 | tee $R/topo.log ;;
     gputest) DOS_GPU_REPEATS=${a:-2} timeout $left python3 -m pytest -q -m gpu tests/gpu tests/test_host_memory.py 2>&1 \
                > $R/gpu-tests.log; grep -E "^(FAILED|ERROR)|passed|failed" $R/gpu-tests.log | tail -15 ;;

@@ -2,11 +2,11 @@
 deadline would kill (the device time spent on it would be lost, as in 2026-11-30's x2 call 12, where two
 runs were killed that way: about 250 of the session's 1800 s).
 
-    python3 -m bench.dist_estimate SYSTEM MODEL RANKS WARMUP ITERS   # prints whole seconds, 0 if unknown
+    python3 -m bench.dist_estimate SYSTEM MODEL RANKS WARMUP ITERS [SWEEP]   # whole seconds, 0 if unknown
 
 From the newest finished row of the same system, model and rank count in docs/benchmarks/dist-results.jsonl:
-its setup, the iterations this run will take (``WARMUP + ITERS`` phase-timed, ``ITERS + 1`` counted) at the
-slower of its two iteration times, and a fixed cost for launching, calibrating and freeing the pinned memory
+its setup, the iterations this run will take (``WARMUP + ITERS`` phase-timed, ``ITERS + 1`` counted, 3 per
+entry of the comma-separated SWEEP) at the slower of its two iteration times, and a fixed cost for launching, calibrating and freeing the pinned memory
 (30-35 s measured from call 12's command walls, rounded up).
 """
 
@@ -20,21 +20,28 @@ ROWS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "dist-re
 OVERHEAD_S = 40.0
 
 
-def estimate(rows: list[dict], system: str, model: str, ranks: int, warmup: int, iters: int) -> float | None:
-    """Expected seconds of one run, or None when no finished run of it is recorded."""
+SWEEP_ITERATIONS = 3  # bench/dist_run.py: iterations per schedule of the sweep
+
+
+def estimate(rows: list[dict], system: str, model: str, ranks: int, warmup: int, iters: int,
+             sweep: int = 0) -> float | None:
+    """Expected seconds of one run (with ``sweep`` schedules timed after it), or None when no finished run
+    of it is recorded."""
     done = [r for r in rows if r.get("status") == "ok" and r.get("system") == system and r.get("model") == model
             and r.get("ranks") == ranks and r.get("setup_s") is not None]
     if not done:
         return None
     row = done[-1]
     per_iteration = max(row.get("iter_s") or 0.0, row.get("iter_phases_s") or 0.0)
-    return row["setup_s"] + (warmup + 2 * iters + 1) * per_iteration + OVERHEAD_S
+    iterations = warmup + 2 * iters + 1 + SWEEP_ITERATIONS * sweep
+    return row["setup_s"] + iterations * per_iteration + OVERHEAD_S
 
 
 def main(argv: list[str] | None = None) -> int:
-    system, model, ranks, warmup, iters = (argv if argv is not None else sys.argv[1:])
+    system, model, ranks, warmup, iters, *sweep = (argv if argv is not None else sys.argv[1:])
     rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-    seconds = estimate(rows, system, model, int(ranks), int(warmup), int(iters))
+    schedules = len([s for s in (sweep[0] if sweep else "").split(",") if s])
+    seconds = estimate(rows, system, model, int(ranks), int(warmup), int(iters), schedules)
     print(0 if seconds is None else round(seconds))
     return 0
 

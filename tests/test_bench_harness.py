@@ -232,7 +232,7 @@ def test_suite_runs_again_what_errored_but_not_what_ran_or_did_not_fit(tmp_path)
     assert suite.done(out) == {("1.36b", None, "ours_auto"), ("1.36b", None, "gpu_adamw")}
 
 
-def test_a_distributed_run_is_estimated_from_its_newest_finished_row(capsys):
+def test_a_distributed_run_is_estimated_from_its_newest_finished_row(capsys, monkeypatch, tmp_path):
     """dist_call.sh starts no run its deadline would kill: the newest finished row of the same system, model
     and rank count gives setup + every iteration at the slower of its two timings + a fixed cost."""
     rows = [{"system": "deepspeed", "model": "10b", "ranks": 2, "status": "ok", "setup_s": 90.0, "iter_s": 6.0,
@@ -243,8 +243,12 @@ def test_a_distributed_run_is_estimated_from_its_newest_finished_row(capsys):
             {"system": "deepspeed", "model": "10b", "ranks": 1, "status": "ok", "setup_s": 10.0, "iter_s": 1.0}]
     seconds = dist_estimate.estimate(rows, "deepspeed", "10b", 2, warmup=1, iters=3)
     assert seconds == 75.0 + (1 + 2 * 3 + 1) * 7.5 + dist_estimate.OVERHEAD_S
+    assert dist_estimate.estimate(rows, "deepspeed", "10b", 2, 1, 3, sweep=2) == seconds + 2 * 3 * 7.5
     assert dist_estimate.estimate(rows, "deepspeed", "5.2b", 2, 1, 3) is None
+    recorded = tmp_path / "rows.jsonl"
+    recorded.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(dist_estimate, "ROWS", recorded)
     dist_estimate.main(["no_such_system", "10b", "2", "1", "5"])
     assert capsys.readouterr().out.strip() == "0", "unknown: the script starts it"
-    dist_estimate.main(["deepspeed", "10b", "2", "1", "3"])  # from the recorded rows (call 12: 166 s in all)
-    assert 140 <= int(capsys.readouterr().out) <= 200
+    dist_estimate.main(["deepspeed", "10b", "2", "1", "3", "cpu,gpu"])  # the sweep as dist_call.sh passes it
+    assert int(capsys.readouterr().out) == round(seconds + 2 * 3 * 7.5)
