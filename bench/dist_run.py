@@ -14,6 +14,9 @@ Systems, each with every optimizer state on the host:
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
+Ours and the FSDP2 peer build the model on the meta device and draw each rank's shards the same way
+(``tools/models.py`` ``materialize``, seed 0), so they start from the same weights and their losses can be
+compared step by step (rows before 2026-11-30's fourteenth session started from different draws).
 Every rank trains its own micro-batch (4 x 1024 by default). Phases are timed with a device synchronize and a
 barrier around each (inside the time), so a phase ends when the slowest rank ends it; then as many
 iterations run as a training loop runs them (only the loss read synchronises): ``iter_s`` is the slowest
@@ -37,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from bench.run_system import RESULT, _host_peak_gb, _is_oom, batch
-from deep_optimizer_states.tools.models import PRESETS, llama
+from deep_optimizer_states.tools.models import PRESETS, llama, materialize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 
@@ -51,10 +54,11 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
 
-    model = llama(preset, torch.bfloat16, device)
+    model = llama(preset, torch.bfloat16, "meta")  # as the FSDP2 peer: the same model, made shard by shard
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
+    materialize(model, device)
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS,
                               stream_grads=stream, overlap=overlap, prefetch=prefetch, speculate=speculate)
 
