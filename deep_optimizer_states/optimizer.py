@@ -185,6 +185,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.residents = Residents(self.device)
         self.prefetch = Prefetch(self.device) if prefetch else None
         self._order_ahead: list | None = None  # this step's staged subgroups, in the order the update takes them
+        self._had_grad: set[int] | None = None  # subgroups the last update had gradients for (None: no update yet)
         self._room_ahead = 0  # this step's GPU bytes for them
         self.residents.before_evict = _weak(self._note_eviction)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
@@ -428,7 +429,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return  # the last update may still be writing these host states
         if self._order_ahead is None:  # once a step: the plan does not change during backward
             pairs = list(zip(self.layout.subgroups, self.plan.placements))
-            staged = [sg for sg, place in pairs if place is Placement.STAGED and sg not in self.residents]
+            staged = [sg for sg, place in pairs if place is Placement.STAGED and sg not in self.residents
+                      and (self._had_grad is None or sg.index in self._had_grad)]  # none last step: likely none now
             last = len(self._need_order)
             self._order_ahead = sorted(staged, key=lambda sg: self._need_order.get(sg.index, last))
             # the plan's residents count, some of which the update may admit only then; read once (the
@@ -619,6 +621,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             runs = sg.runs(has_grad[position[id(sg.bucket)]])
             if runs:
                 jobs.append(Job(sg, place, hyper[sg.group_index], runs=runs))
+        self._had_grad = {j.subgroup.index for j in jobs}
         if self.speculation is not None:
             jobs = self.speculation.settle(jobs, keep=unscaled)
             self._speculating = unscaled

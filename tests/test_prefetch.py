@@ -325,3 +325,37 @@ def test_the_room_is_read_once_a_step_not_at_every_gradient():
     opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: calls.append(1) or UNLIMITED
     _train(model, opt, steps=3)
     assert len(calls) == 3 and len(list(model.parameters())) > 3
+
+
+def test_a_subgroup_without_gradients_last_step_is_not_filled_ahead():
+    """A branch the forward does not use has no gradients: its staged subgroups are not filled ahead
+    after a step that had none for them (the first step, knowing nothing, fills them). Bit for bit the
+    run without prefetch."""
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.used, self.unused = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.used(x).pow(2).mean()
+
+    runs, fills = [], []
+    for prefetch in (False, True):
+        model = Branchy()
+        opt = DeepOptimizerStates(model, subgroup_size=1056, schedule="gpu", stream_grads=True, prefetch=prefetch)
+        if prefetch:
+            opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: UNLIMITED
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            opt.zero_grad()
+            before = opt.prefetch.filled if prefetch else 0
+            model(torch.randn(8, 32, generator=gen)).backward()  # fills during backward
+            opt.step()
+            fills.append(opt.prefetch.filled - before if prefetch else None)
+        runs.append(_masters(model, opt))
+    unused = {sg.index for p in model.unused.parameters() for sg in opt.layout.subgroups_of(*opt.layout.where[id(p)])}
+    used = len(opt.layout.subgroups) - len(unused)
+    assert unused and used
+    assert fills[4:] == [used + len(unused), used, used, used], "the unused branch filled on the first step only"
+    _assert_same(*runs)
