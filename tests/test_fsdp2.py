@@ -211,6 +211,34 @@ def test_dos_train_under_torchrun_is_data_parallel_over_the_ranks(tmp_path):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {step}: 2 ranks {x}, 1 process with the same batches {y}"
 
 
+def test_dos_train_under_torchrun_reads_a_model_directory_shard_by_shard(tmp_path):
+    """`dos train --model DIR` on 2 ranks: the model is made on the meta device and each rank reads only its
+    rows of each tensor from the safetensors files (here several, with an index); it follows the 1-process
+    run that loads the directory whole (and accumulates the same micro-batches) step by step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=300)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model", max_shard_size="100KB")
+    assert (tmp_path / "model" / "model.safetensors.index.json").exists(), "several files"
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 300)
+    common = ["train", "--model", str(tmp_path / "model"), "--data", str(text), "--seq", "32", "--micro-batch", "4",
+              "--steps", "4", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
+              "--schedule", "2", "--subgroup-size", "20000"]
+    torchrun(2, *common, "--accum", "1", "--summary-json", str(tmp_path / "two.json"),
+             target=["-m", "deep_optimizer_states"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
+    one = subprocess.run([sys.executable, "-m", "deep_optimizer_states", *common, "--accum", "2", "--summary-json",
+                          str(tmp_path / "one.json")], capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two, single = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
+    assert two["world_size"] == 2 and single["world_size"] == 1
+    for step, ((_, x), (_, y)) in enumerate(zip(two["losses"], single["losses"]), 1):
+        assert abs(x - y) <= 1e-4 * abs(y), f"step {step}: 2 ranks {x}, 1 process {y}"
+
+
 def test_dos_train_under_torchrun_with_overlap_trains_bit_for_bit_like_without(tmp_path):
     """The Llama model sharded per decoder layer plus the root (embeddings, final norm, head): --overlap
     leaves each update running beside the next forward's all-gathers and gives the same losses exactly."""

@@ -193,3 +193,36 @@ def test_a_model_built_on_the_meta_device_is_made_whole_with_its_ties_biases_and
     assert all(not b.is_meta and torch.isfinite(b).all() for b in model.buffers())
     ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     assert 4.0 < float(model(input_ids=ids, labels=ids).loss.detach()) < 5.2, "near ln(100) = 4.6 untrained"
+
+
+def test_a_model_read_shard_by_shard_equals_the_saved_one_and_bad_directories_are_refused(tmp_path):
+    """tools/models.py's materialize with ``weights``: the params and persistent buffers equal the saved
+    model's; a directory without safetensors, or one missing params of the model, is refused by name."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from deep_optimizer_states.tools.models import materialize
+
+    def config(layers):
+        return LlamaConfig(hidden_size=64, num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1,
+                           intermediate_size=128, vocab_size=100)
+
+    torch.manual_seed(0)
+    saved = LlamaForCausalLM(config(2))
+    saved.save_pretrained(tmp_path / "st", max_shard_size="50KB")
+    (tmp_path / "bin").mkdir()  # a model saved otherwise (pytorch_model.bin): no safetensors here
+    torch.save(saved.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config(2))
+    materialize(model, "cpu", weights=tmp_path / "st")
+    for (name, p), q in zip(model.named_parameters(), saved.parameters()):
+        assert torch.equal(p, q), name
+    for name, b in model.named_buffers():
+        assert torch.equal(b, dict(saved.named_buffers())[name]), name
+    with torch.device("meta"):
+        bigger = LlamaForCausalLM(config(3))
+    with pytest.raises(ValueError, match="not in its checkpoint"):
+        materialize(bigger, "cpu", weights=tmp_path / "st")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config(2))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        materialize(model, "cpu", weights=tmp_path / "bin")

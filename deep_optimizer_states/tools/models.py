@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -41,16 +44,78 @@ def llama(preset: str = "tiny", dtype: torch.dtype | None = torch.bfloat16, devi
     return model if dtype is None else model.to(dtype)
 
 
-def materialize(model: nn.Module, device: str | torch.device, seed: int = 0) -> nn.Module:
-    """Give a Llama built on the meta device (sharded with FSDP2 or not) storage on ``device`` (each rank
-    only its own shards: no process ever holds the whole model, FSDP2's recipe for large models), its rotary
-    embedding's buffers computed there, and params drawn by ``init_shards``. Returns the model."""
+def materialize(model: nn.Module, device: str | torch.device, seed: int = 0,
+                weights: str | Path | None = None) -> nn.Module:
+    """Give a Hugging Face causal LM built on the meta device (sharded with FSDP2 or not) storage on
+    ``device``, each rank only its own shards (no process ever holds the whole model: FSDP2's recipe for
+    large models); its rotary embeddings' buffers computed there; params drawn by ``init_shards``, or read
+    from the safetensors checkpoint in the directory ``weights`` (``load_shards``). Returns the model."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module a Parameter of its own: tied ones again one
-    with torch.device(device):  # buffers computed in __init__ (never on the meta device), here
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    init_shards(model, model.config.initializer_range, seed)
+    rebuilt = set()
+    for name, module in list(model.named_modules()):  # buffers computed in __init__, never on the meta device
+        rotary = getattr(module, "rotary_emb", None)
+        if isinstance(rotary, nn.Module):
+            with torch.device(device):
+                module.rotary_emb = type(rotary)(config=model.config)
+            rebuilt |= {f"{name}.rotary_emb.{b}".lstrip(".") for b, _ in module.rotary_emb.named_buffers()}
+    loaded = load_shards(model, weights) if weights is not None else set()
+    if weights is None:
+        init_shards(model, model.config.initializer_range, seed)
+    unknown = [b for b, _ in model.named_buffers() if b not in rebuilt and b not in loaded]
+    if unknown:
+        raise ValueError(f"cannot rebuild the buffers {unknown[:4]} of a model made on the meta device (only "
+                         "rotary embeddings are rebuilt, and buffers saved in the checkpoint read)")
     return model
+
+
+def _my_rows(p: torch.Tensor) -> tuple[int, int]:
+    """The rows of ``p`` (dim 0) this rank holds: all of them, or its torch.chunk rows of a DTensor (FSDP2)."""
+    rows = p.shape[0] if p.dim() else 1
+    world, rank = (p.device_mesh.size(), p.device_mesh.get_local_rank()) if hasattr(p, "device_mesh") else (1, 0)
+    per_rank = -(-rows // world)  # torch.chunk's chunk size
+    return min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+
+
+@torch.no_grad()
+def load_shards(model: nn.Module, directory: str | Path) -> set[str]:
+    """Copy a Hugging Face safetensors checkpoint (``model.safetensors`` or an index of several files) into
+    a model materialised empty, sharded with FSDP2 or not: each rank reads only its own rows of each param
+    (safetensors slices), so no rank loads the whole model. Returns the buffers read too. Every param must
+    be in the files (a tied one once)."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (directory / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{directory}: no model.safetensors or model.safetensors.index.json (a sharded "
+                                "load reads safetensors; save the model with save_pretrained(safe_serialization=True))")
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    read, buffers_read = set(), set()
+    for file in files:
+        with safe_open(str(directory / file), framework="pt") as st:
+            for key in st.keys():
+                if key in params:
+                    p = params[key]
+                    local = p.to_local() if hasattr(p, "to_local") else p
+                    if p.dim():
+                        start, end = _my_rows(p)
+                        local.copy_(st.get_slice(key)[start:end])
+                    else:
+                        local.copy_(st.get_tensor(key))
+                    read.add(key)
+                elif key in buffers:
+                    buffers[key].copy_(st.get_tensor(key))
+                    buffers_read.add(key)
+    missing = sorted(set(params) - read)
+    if missing:
+        raise ValueError(f"{directory}: {len(missing)} params of the model are not in its checkpoint, e.g. "
+                         f"{missing[:3]}")
+    return buffers_read
 
 
 BLOCK_ROWS = 256  # init_shards draws each param in blocks of this many rows, each from a generator of its own
@@ -68,9 +133,7 @@ def init_shards(model: nn.Module, std: float, seed: int = 0) -> None:
             local.fill_(1.0 if name.endswith("norm.weight") else 0.0)
             continue
         rows = p.shape[0] if p.dim() else 1
-        world, rank = (p.device_mesh.size(), p.device_mesh.get_local_rank()) if hasattr(p, "device_mesh") else (1, 0)
-        per_rank = -(-rows // world)  # torch.chunk's chunk size
-        start, end = min(rank * per_rank, rows), min((rank + 1) * per_rank, rows)
+        start, end = _my_rows(p)
         mine = local if p.dim() else local.view(1)
         for block in range(start // BLOCK_ROWS, -(-end // BLOCK_ROWS)):
             first = block * BLOCK_ROWS

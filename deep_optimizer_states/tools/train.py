@@ -63,14 +63,19 @@ def _llama(hidden: int, layers: int, vocab: int, seq: int, seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def _pretrained(path: str):
-    """A local Hugging Face causal LM and its tokenizer (None when the directory has none)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _pretrained(path: str, meta: bool = False):
+    """A local Hugging Face causal LM and its tokenizer (None when the directory has none). ``meta``: built
+    from its config on the meta device, for each rank to read only its own shards (``materialize``)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if not Path(path).is_dir():
         raise UsageError(f"--model {path}: not a directory (a local Hugging Face model directory is expected)")
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # dtype set below
+        if meta:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, local_files_only=True))
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # dtype set below
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {path}: cannot load it as a causal LM ({e})") from None
     try:
@@ -211,7 +216,7 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         if args.preset or args.hidden or args.layers:
             raise UsageError("--model PATH cannot be combined with --preset, --hidden or --layers")
         torch.manual_seed(args.seed)
-        model, tokenizer = _pretrained(args.model)
+        model, tokenizer = _pretrained(args.model, meta=world > 1)
         hidden, layers = model.config.hidden_size, model.config.num_hidden_layers
         model_name = args.model
     else:
@@ -237,8 +242,11 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     numel = sum(p.numel() for p in model.parameters())
     if world > 1:
         model = shard(model)
-    if next(model.parameters()).device.type == "meta":  # each rank makes only its own shards: no process
-        materialize(model, device, args.seed)  # holds the whole model (the same model on any rank count)
+    if next(model.parameters()).device.type == "meta":  # each rank makes (or reads) only its own shards: no
+        try:  # process holds the whole model (drawn: the same model on any rank count)
+            materialize(model, device, args.seed, weights=args.model or None)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{'--model ' + args.model if args.model else 'the model'}: {e}") from None
 
     steps, accum = args.steps, args.accum
     warmup = args.warmup if args.warmup is not None else min(100, steps // 10)
