@@ -222,6 +222,12 @@ def test_a_model_read_shard_by_shard_equals_the_saved_one_and_bad_directories_ar
         bigger = LlamaForCausalLM(config(3))
     with pytest.raises(ValueError, match="not in its checkpoint"):
         materialize(bigger, "cpu", weights=tmp_path / "st")
+    wider = config(2)
+    wider.vocab_size = 101  # one row more than the file's: refused, not broadcast
+    with torch.device("meta"):
+        wider = LlamaForCausalLM(wider)
+    with pytest.raises(ValueError, match="shape"):
+        materialize(wider, "cpu", weights=tmp_path / "st")
     with torch.device("meta"):
         model = LlamaForCausalLM(config(2))
     with pytest.raises(FileNotFoundError, match="safetensors"):

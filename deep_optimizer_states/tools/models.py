@@ -52,13 +52,7 @@ def materialize(model: nn.Module, device: str | torch.device, seed: int = 0,
     from the safetensors checkpoint in the directory ``weights`` (``load_shards``). Returns the model."""
     model.to_empty(device=device)
     model.tie_weights()  # to_empty gives each module a Parameter of its own: tied ones again one
-    rebuilt = set()
-    for name, module in list(model.named_modules()):  # buffers computed in __init__, never on the meta device
-        rotary = getattr(module, "rotary_emb", None)
-        if isinstance(rotary, nn.Module):
-            with torch.device(device):
-                module.rotary_emb = type(rotary)(config=model.config)
-            rebuilt |= {f"{name}.rotary_emb.{b}".lstrip(".") for b, _ in module.rotary_emb.named_buffers()}
+    rebuilt = rebuild_rotary(model, device)
     loaded = load_shards(model, weights) if weights is not None else set()
     if weights is None:
         init_shards(model, model.config.initializer_range, seed)
@@ -67,6 +61,20 @@ def materialize(model: nn.Module, device: str | torch.device, seed: int = 0,
         raise ValueError(f"cannot rebuild the buffers {unknown[:4]} of a model made on the meta device (only "
                          "rotary embeddings are rebuilt, and buffers saved in the checkpoint read)")
     return model
+
+
+def rebuild_rotary(model: nn.Module, device: str | torch.device) -> set[str]:
+    """Build every rotary embedding of the model again on ``device`` from its config, in fp32: its buffers
+    are computed in __init__ (never on the meta device) and a cast of the model to bf16 rounds them.
+    Returns the names of the buffers rebuilt."""
+    rebuilt = set()
+    for name, module in list(model.named_modules()):
+        rotary = getattr(module, "rotary_emb", None)
+        if isinstance(rotary, nn.Module):
+            with torch.device(device):
+                module.rotary_emb = type(rotary)(config=getattr(rotary, "config", None) or model.config)
+            rebuilt |= {f"{name}.rotary_emb.{b}".lstrip(".") for b, _ in module.rotary_emb.named_buffers()}
+    return rebuilt
 
 
 def _my_rows(p: torch.Tensor) -> tuple[int, int]:
@@ -99,6 +107,10 @@ def load_shards(model: nn.Module, directory: str | Path) -> set[str]:
     for file in files:
         with safe_open(str(directory / file), framework="pt") as st:
             for key in st.keys():
+                target = params.get(key, buffers.get(key))
+                if target is not None and list(st.get_slice(key).get_shape()) != list(target.shape):
+                    raise ValueError(f"{directory}: {key} has shape {st.get_slice(key).get_shape()} in the checkpoint "
+                                     f"and {list(target.shape)} in the model (another configuration?)")
                 if key in params:
                     p = params[key]
                     local = p.to_local() if hasattr(p, "to_local") else p
@@ -113,8 +125,9 @@ def load_shards(model: nn.Module, directory: str | Path) -> set[str]:
                     buffers_read.add(key)
     missing = sorted(set(params) - read)
     if missing:
-        raise ValueError(f"{directory}: {len(missing)} params of the model are not in its checkpoint, e.g. "
-                         f"{missing[:3]}")
+        raise ValueError(f"{directory}: {len(missing)} params of the model are not in its checkpoint under their "
+                         f"own names, e.g. {missing[:3]}: a checkpoint whose names differ (another prefix, experts "
+                         "saved apart that the model fuses) is read only whole: run in one process")
     return buffers_read
 
 

@@ -193,7 +193,7 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
     from ..optimizer import DeepOptimizerStates
     from .data import load_text_data
     from .distributed import mean_over_ranks, shard
-    from .models import PRESETS, materialize
+    from .models import PRESETS, materialize, rebuild_rotary
 
     say = _log if rank == 0 else (lambda *a, **k: None)
     cuda = device.type == "cuda"
@@ -237,7 +237,11 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
         vocab = data.vocab_size
         with torch.device("meta"):
             model = _llama(hidden, layers, vocab, seq, args.seed)
-    model = model.to(dtype) if model.device.type == "meta" else model.to(device, dtype)
+    if model.device.type == "meta":
+        model = model.to(dtype)
+    else:  # loaded whole: its rotary buffers back to fp32 after the cast, as materialize makes them
+        model = model.to(device, dtype)
+        rebuild_rotary(model, device)
     model.train()
     numel = sum(p.numel() for p in model.parameters())
     if world > 1:
