@@ -1,4 +1,5 @@
-"""The Llama-style models of our benchmarks (../shared/ANCHORS.md), built with transformers."""
+"""The Llama-style models of our benchmarks (../shared/ANCHORS.md), built with transformers, and a Hugging
+Face causal LM made shard by shard from the meta device (drawn, or read from safetensors) for FSDP2."""
 
 from __future__ import annotations
 
