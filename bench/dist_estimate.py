@@ -1,6 +1,6 @@
 """Seconds a step of ``bench/dist_call.sh`` is expected to take, so that the script does not start a run its
 deadline would kill (the device time spent on it would be lost, as in 2026-11-30's x2 call 12, where two
-runs were killed that way: about 250 of the session's 1800 s).
+runs were killed that way; how long each had run was not recorded).
 
     python3 -m bench.dist_estimate SYSTEM MODEL RANKS WARMUP ITERS [SWEEP]   # whole seconds, 0 if unknown
 

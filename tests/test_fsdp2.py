@@ -189,6 +189,20 @@ def test_dos_check_under_torchrun_shards_with_fsdp2_and_matches_adamw():
     assert "matches torch.optim.AdamW" in out and out.count("step ") == 3  # rank 0 alone prints
 
 
+def _two_ranks_and_one_process(tmp_path, common: list[str]) -> tuple[str, list[float], list[float]]:
+    """`dos` with ``common`` on 2 ranks (--accum 1) and in one process (--accum 2: the same micro-batches):
+    the 2-rank run's output and both loss curves."""
+    out = torchrun(2, *common, "--accum", "1", "--summary-json", str(tmp_path / "two.json"),
+                   target=["-m", "deep_optimizer_states"])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
+    one = subprocess.run([sys.executable, "-m", "deep_optimizer_states", *common, "--accum", "2", "--summary-json",
+                          str(tmp_path / "one.json")], capture_output=True, text=True, env=env, timeout=240)
+    assert one.returncode == 0, one.stderr[-4000:]
+    two, single = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
+    assert two["world_size"] == 2 and single["world_size"] == 1
+    return out, [loss for _, loss in two["losses"]], [loss for _, loss in single["losses"]]
+
+
 def test_dos_train_under_torchrun_is_data_parallel_over_the_ranks(tmp_path):
     """`dos train` on 2 ranks (FSDP2, gloo): each rank its own micro-batch, the gradients averaged by the
     reduce-scatter. So the 2-rank run with --accum 1 follows the 1-process run with --accum 2 over the same
@@ -196,16 +210,8 @@ def test_dos_train_under_torchrun_is_data_parallel_over_the_ranks(tmp_path):
     common = ["train", "--hidden", "64", "--layers", "2", "--seq", "32", "--micro-batch", "4", "--data-mb", "0.2",
               "--steps", "8", "--eval-every", "0", "--eval-batches", "2", "--sample-tokens", "8", "--no-progress",
               "--schedule", "2", "--subgroup-size", "20000"]
-    out = torchrun(2, *common, "--accum", "1", "--summary-json", str(tmp_path / "two.json"),
-                   target=["-m", "deep_optimizer_states"])
+    out, a, b = _two_ranks_and_one_process(tmp_path, common)
     assert "FSDP2 over 2 ranks" in out and out.count("done: steps 1-8") == 1, out[-2000:]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
-    one = subprocess.run([sys.executable, "-m", "deep_optimizer_states", *common, "--accum", "2", "--summary-json",
-                          str(tmp_path / "one.json")], capture_output=True, text=True, env=env, timeout=240)
-    assert one.returncode == 0, one.stderr[-4000:]
-    two, single = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
-    assert two["world_size"] == 2 and single["world_size"] == 1
-    a, b = [loss for _, loss in two["losses"]], [loss for _, loss in single["losses"]]
     assert a[-1] < 0.9 * a[0], "the loss falls"
     for step, (x, y) in enumerate(zip(a, b), 1):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {step}: 2 ranks {x}, 1 process with the same batches {y}"
@@ -227,15 +233,8 @@ def test_dos_train_under_torchrun_reads_a_model_directory_shard_by_shard(tmp_pat
     common = ["train", "--model", str(tmp_path / "model"), "--data", str(text), "--seq", "32", "--micro-batch", "4",
               "--steps", "4", "--eval-every", "0", "--eval-batches", "1", "--sample-tokens", "0", "--no-progress",
               "--schedule", "2", "--subgroup-size", "20000"]
-    torchrun(2, *common, "--accum", "1", "--summary-json", str(tmp_path / "two.json"),
-             target=["-m", "deep_optimizer_states"])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
-    one = subprocess.run([sys.executable, "-m", "deep_optimizer_states", *common, "--accum", "2", "--summary-json",
-                          str(tmp_path / "one.json")], capture_output=True, text=True, env=env, timeout=240)
-    assert one.returncode == 0, one.stderr[-4000:]
-    two, single = (json.loads((tmp_path / f).read_text()) for f in ("two.json", "one.json"))
-    assert two["world_size"] == 2 and single["world_size"] == 1
-    for step, ((_, x), (_, y)) in enumerate(zip(two["losses"], single["losses"]), 1):
+    _, a, b = _two_ranks_and_one_process(tmp_path, common)
+    for step, (x, y) in enumerate(zip(a, b), 1):
         assert abs(x - y) <= 1e-4 * abs(y), f"step {step}: 2 ranks {x}, 1 process {y}"
 
 

@@ -116,16 +116,24 @@ def test_tied_weights_and_a_forward_out_of_registration_order(slow_adam):
 
 
 class _ReadsTheHead(nn.Module):
-    """Reads its head's params first, in its own code, and never calls the head (registered last)."""
+    """Reads its head's params first, in its own code (the head is registered, and so written, last); the
+    head itself runs afterwards only if ``runs_head``."""
 
-    def __init__(self):
+    def __init__(self, runs_head: bool = False):
         super().__init__()
         torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 64))
+        self.runs_head = runs_head
+        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16 if runs_head else 64))
         self.head = nn.Linear(16, 16)
 
     def forward(self, x):
-        return self.body(nn.functional.linear(x, self.head.weight, self.head.bias)).pow(2).mean()
+        y = self.body(nn.functional.linear(x, self.head.weight, self.head.bias))
+        return (self.head(y) if self.runs_head else y).pow(2).mean()
+
+
+def _reads_the_head_before_it_runs() -> nn.Module:
+    """The head's params are read by the model's own code first, then the head runs too (last)."""
+    return _ReadsTheHead(runs_head=True)
 
 
 def _head_pair(make, subgroup_size: int, schedule="cpu"):
@@ -170,32 +178,19 @@ def test_params_read_without_calling_their_module_are_waited_for(slow_adam, sche
     _head_waited_for(*_head_pair(_ReadsTheHead, 700, schedule), compiled=compiled)
 
 
-class _ReadsTheHeadBeforeItRuns(nn.Module):
-    """The head's params are read by the model's own code first, then the head runs too (last)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16))
-        self.head = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return self.head(self.body(nn.functional.linear(x, self.head.weight, self.head.bias))).pow(2).mean()
-
-
 @pytest.mark.parametrize("schedule", ["cpu", "mixed"])
 def test_params_read_before_their_module_runs_are_waited_for(slow_adam, schedule):
     """Learned in the first forward: the head's weight was read before the head's own forward began, so
     every later forward waits for it first (and the update writes it first). Without that, the early read
     meets the update, slowed down, still writing it (the head is registered, and so written, last). Not
     under torch.compile: the compiled forward's reads do not reach the mode that watches them."""
-    _head_waited_for(*_head_pair(_ReadsTheHeadBeforeItRuns, 300, schedule))
+    _head_waited_for(*_head_pair(_reads_the_head_before_it_runs, 300, schedule))
 
 
 def test_a_first_forward_that_raises_leaves_no_mode_behind_and_the_next_one_learns(slow_adam):
     """The mode watching the first forward's reads is popped also when that forward raises, and the next
     forward learns in its place (the early read of the head is caught all the same)."""
-    model, ours, twin, ref = _head_pair(_ReadsTheHeadBeforeItRuns, 300)
+    model, ours, twin, ref = _head_pair(_reads_the_head_before_it_runs, 300)
     with pytest.raises(RuntimeError):
         model(torch.randn(8, 17))  # a wrong width: raises inside the first forward
     assert torch._C._len_torch_function_stack() == 0
@@ -612,7 +607,7 @@ def test_a_loop_that_calls_only_a_part_of_the_model_stays_exact_and_is_told(slow
     class Outer(nn.Module):
         def __init__(self):
             super().__init__()
-            self.inner = _ReadsTheHeadBeforeItRuns()
+            self.inner = _reads_the_head_before_it_runs()
 
     model, ours, twin, ref = _head_pair(Outer, 300)
     if raised_first:
