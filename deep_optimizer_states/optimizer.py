@@ -73,6 +73,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     the streamed gradients (``torch.nn.utils.clip_grad_norm_`` over the params does not). ``speculate=True``
     (with ``stream_grads``) also runs their AdamW during backward, on a copy kept aside: ``step()`` keeps
     it when the step neither skips nor clips and nothing changed since, and undoes it otherwise.
+
+    ``cpu_threads``: the CPU path's AdamW threads. By default, with a GPU, one core fewer than the host's (or
+    than this rank's share of it under torchrun): the thread that drives the GPU needs a core of its own.
     """
 
     def __init__(
@@ -174,7 +177,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 raise ValueError(f"the schedule gives {len(schedule)} placements for {count} subgroups"
                                  f"{' here, but not on another rank' if len(schedule) == count else ''}: give one per "
                                  "subgroup of this rank (len(opt.layout.subgroups))")
-        threads = cpu_threads_per_rank(cpu_threads)
+        threads = cpu_threads_per_rank(cpu_threads, gpu=self.device.type == "cuda")
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         self.layout = Layout(trainable, subgroup_size, self.device, local_ranks(),
