@@ -5,7 +5,8 @@
 # that its last recorded run says would not end by then (bench/dist_estimate.py).
 #
 #   bench/dist_call.sh DEADLINE STEP...
-#   STEP: run:SYSTEM:MODEL:RANKS[:SWEEP] | gputest[:REPEATS] | startup:SIZES:PRESETS | topo
+#   STEP: run:SYSTEM:MODEL:RANKS[:SWEEP] | gputest[:REPEATS[:FILES]] | startup:SIZES:PRESETS | topo
+#   FILES: comma-separated test paths (default: tests/gpu and tests/test_host_memory.py)
 #   e.g. bench/dist_call.sh 560 gputest run:ours:5.2b:2:cpu,gpu,2 run:fsdp2_offload:5.2b:2 run:deepspeed:5.2b:2
 #   SWEEP (ours only): fixed schedules timed in the same job after the run, comma-separated
 #   WARMUP, ITERS, SLOTS (environment): iterations per run (2, 5) and ours' staging slots (2)
@@ -49,7 +50,8 @@ for step in "$@"; do
       echo "rc=$rc $step ($((SECONDS - started)) s)"
       if [ -n "$results" ]; then cut -c1-700 <<< "$results"; else tail -5 "$log"; fi ;;
     topo) { nvidia-smi topo -m; lscpu | grep -iE "^(socket|numa|model name|core|thread)"; } 2>&1 | tee $R/topo.log ;;
-    gputest) DOS_GPU_REPEATS=${a:-2} timeout $left python3 -m pytest -q -m gpu tests/gpu tests/test_host_memory.py 2>&1 \
+    gputest) files=${b:-tests/gpu,tests/test_host_memory.py}
+             DOS_GPU_REPEATS=${a:-2} timeout $left python3 -m pytest -q -m gpu ${files//,/ } 2>&1 \
                > $R/gpu-tests.log; grep -E "^(FAILED|ERROR)|passed|failed" $R/gpu-tests.log | tail -15 ;;
     startup) timeout $left python3 -m bench.startup --sizes "$a" --single-gb 4 --optimizer "$b" \
                --out $R/startup.jsonl 2>&1 | tee $R/startup.log ;;
