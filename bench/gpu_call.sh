@@ -4,7 +4,7 @@
 # to $OUT after each step. A step that would start after DEADLINE seconds is left for the next call.
 #
 #   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
-#                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest
+#                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest[:PATH]
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 set -u
@@ -30,7 +30,8 @@ for step in "$@"; do
              --iters 5 --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) 2>&1 \
              | tee -a $R/suite.log ;;
-    gputest) timeout $left python3 -m pytest -q --tb=short -m gpu tests/gpu 2>&1 | tail -150 > $R/gpu-tests.log; cat $R/gpu-tests.log ;;
+    gputest) timeout $left python3 -m pytest -q --tb=short -m gpu ${model:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
+             cat $R/gpu-tests.log ;;
     *) echo "unknown step $step" ;;
   esac
   cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null
