@@ -11,6 +11,8 @@ Systems, each with every optimizer state on the host:
   ours_overlap    "ours_stream" with overlap=True: the update runs on beside the next forward's all-gathers
   ours_prefetch   "ours_overlap" with prefetch=True: staged subgroups' states come in during backward
   ours_spec       "ours_overlap" with speculate=True: the CPU path's update runs ahead during backward
+  ours_bf16       "ours" with overlap=True and bf16_cpu_path=True: gradients sent at the update, the CPU
+                  path's in bf16, its params up in bf16 (our kernel)
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -49,7 +51,7 @@ STAGING_SLOTS = 2  # --slots
 
 
 def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload", stream: bool = False,
-          overlap: bool = False, prefetch: bool = False, speculate: bool = False):
+          overlap: bool = False, prefetch: bool = False, speculate: bool = False, bf16: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
@@ -60,7 +62,8 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
     fully_shard(model)
     materialize(model, device)
     opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule, staging_slots=STAGING_SLOTS,
-                              stream_grads=stream, overlap=overlap, prefetch=prefetch, speculate=speculate)
+                              stream_grads=stream, overlap=overlap, prefetch=prefetch, speculate=speculate,
+                              bf16_cpu_path=bf16)
 
     def extra() -> dict:
         opt.synchronize()
@@ -78,7 +81,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
     where = "fp32 states pinned on the host" if schedule == "offload" else "fp32 states resident where they fit"
     settings = ("FSDP2 fully_shard per layer + root, bf16 sharded params/grads on the GPU, "
                 f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream}, overlap={overlap}, "
-                f"prefetch={prefetch}, speculate={speculate}) over each rank's shards, {where}")
+                f"prefetch={prefetch}, speculate={speculate}, bf16_cpu_path={bf16}) over each rank's shards, {where}")
     return model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(), opt, extra, settings
 
 
@@ -100,6 +103,10 @@ def _ours_prefetch(preset: str, device: torch.device, micro_batch: int):
 
 def _ours_spec(preset: str, device: torch.device, micro_batch: int):
     return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, speculate=True)
+
+
+def _ours_bf16(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "offload", overlap=True, bf16=True)
 
 
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
@@ -139,7 +146,8 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
 
 
 SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "ours_stream": _ours_stream, "ours_overlap": _ours_overlap,
-           "ours_prefetch": _ours_prefetch, "ours_spec": _ours_spec, "fsdp2_offload": _fsdp2_offload,
+           "ours_prefetch": _ours_prefetch, "ours_spec": _ours_spec, "ours_bf16": _ours_bf16,
+           "fsdp2_offload": _fsdp2_offload,
            "deepspeed": _deepspeed}
 
 

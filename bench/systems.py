@@ -57,13 +57,14 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
          spare_cores: int = 0, checkpointing: bool = False,
          path_threads: int | None = None, prefetch: bool = False,
-         speculate: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+         speculate: bool = False, bf16_cpu_path: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
     ``path_threads`` runs the CPU path's AdamW on that many threads after planning (the plan is unchanged:
     does a throttled CPU leave the staged copies more host memory bandwidth?); ``prefetch`` fills the staged
-    subgroups' slots during backward; ``speculate`` runs the CPU path's update ahead during backward."""
+    subgroups' slots during backward; ``speculate`` runs the CPU path's update ahead during backward;
+    ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
@@ -71,7 +72,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
         threads = max(1, (os.cpu_count() or 1) - spare_cores) if spare_cores else None
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
                                   stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,
-                                  cpu_threads=threads, prefetch=prefetch, speculate=speculate)
+                                  cpu_threads=threads, prefetch=prefetch, speculate=speculate,
+                                  bf16_cpu_path=bf16_cpu_path)
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
 
@@ -111,17 +113,16 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
             if device.type == "cuda" and u.resident_subgroups < len(opt.layout.subgroups):
-                from deep_optimizer_states.planning.calibrate import calibrated_rates
                 from deep_optimizer_states.planning.perfmodel import lower_bound
 
-                info["update_lower_bound_s"] = lower_bound(opt.layout.numel, calibrated_rates(device))[0]
+                info["update_lower_bound_s"] = lower_bound(opt.layout.numel, opt.planner.calibrated)[0]
             return info
 
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
                        f"max_grad_norm={max_grad_norm}, cpu_threads={threads}, prefetch={prefetch}, "
-                       f"speculate={speculate}), "
+                       f"speculate={speculate}, bf16_cpu_path={bf16_cpu_path}), "
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host")
@@ -246,6 +247,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                            speculate=True),
     "ours_offload_overlap_gathered": ours("offload", overlap=True),  # gradients sent at the update, clip on the GPU
     "ours_offload_overlap_clip_gathered": ours("offload", overlap=True, max_grad_norm=CLIP),
+    "ours_offload_overlap_bf16": ours("offload", overlap=True, bf16_cpu_path=True),
+    "ours_offload_overlap_clip_bf16": ours("offload", overlap=True, max_grad_norm=CLIP, bf16_cpu_path=True),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),

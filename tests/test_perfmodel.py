@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import warnings
 from dataclasses import replace
 from types import SimpleNamespace
@@ -180,6 +181,22 @@ def test_calibration_measures_positive_rates_and_caches_them(tmp_path, monkeypat
     assert calibrate.calibrated_rates(cpu) == rates  # from the cache, not measured again
 
 
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+def test_the_bf16_cpu_path_is_calibrated_apart_and_priced_at_its_bytes(tmp_path, monkeypatch):
+    """Its engine moves 2 B per CPU element each way, not 4: its rates say so, are cached in a file of their
+    own (the default path's stays), and a CPU-heavy placement is priced with less link work."""
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+    cpu = torch.device("cpu")
+    plain = calibrate.calibrated_rates(cpu)
+    lean = calibrate.calibrated_rates(cpu, bf16=True)
+    assert (plain.cpu_path_bytes, lean.cpu_path_bytes) == (4, 2)
+    assert calibrate.cache_path(cpu) != calibrate.cache_path(cpu, bf16=True)
+    assert calibrate.load_cached(cpu) == plain and calibrate.load_cached(cpu, bf16=True) == lean
+    sizes, places = [1000] * 8, [Placement.CPU] * 7 + [Placement.STAGED]
+    halved = replace(H200_LIKE, cpu_path_bytes=2)
+    assert predict(sizes, places, halved).link_s < predict(sizes, places, H200_LIKE).link_s
+
+
 @pytest.mark.parametrize("low_readings", [0, 1, calibrate.ENGINE_ATTEMPTS])
 def test_an_engine_cpu_path_read_far_below_the_kernel_is_measured_again(monkeypatch, low_readings):
     """A busy host slows a reading and never speeds one up: the engine is measured again while its CPU path
@@ -295,12 +312,12 @@ def test_refinement_ignores_the_first_update_and_outliers_and_never_calibrates(m
     sizes = equal(8)
     planner = _cuda_planner(monkeypatch, sizes, None)
     monkeypatch.setattr(calibrate, "calibrated_rates", lambda *a, **k: pytest.fail("calibrated for a fixed schedule"))
-    monkeypatch.setattr(calibrate, "load_cached", lambda device: None)
+    monkeypatch.setattr(calibrate, "load_cached", lambda device, bf16=False: None)
     planner.plan("cpu")
     for _ in range(3):
         planner.observe(_telemetry(planner.current.placements, 0.1))
     assert planner.factors["cpu_engine"] == 1.0 and planner.known_rates() is None  # no rates cached
-    monkeypatch.setattr(calibrate, "load_cached", lambda device: H200_LIKE)
+    monkeypatch.setattr(calibrate, "load_cached", lambda device, bf16=False: H200_LIKE)
     expected = predict(sizes, planner.current.placements, H200_LIKE, 2).cpu_s
     for seconds in (expected / 0.9, expected / 0.9, expected / 0.9, expected / 5.0):  # one outlier
         planner.observe(_telemetry(planner.current.placements, seconds))

@@ -182,14 +182,14 @@ def gpu_planner(monkeypatch, tmp_path):
     measured = []
     stored = {"rates": None}
 
-    def calibrated_rates(device, force=False, log=None, sync=None):
+    def calibrated_rates(device, force=False, log=None, sync=None, bf16=False):
         measured.append(force)
         stored["rates"] = H200_LIKE
         return H200_LIKE
 
     monkeypatch.setattr(calibrate, "calibrated_rates", calibrated_rates)
-    monkeypatch.setattr(calibrate, "load_cached", lambda device: stored["rates"])
-    monkeypatch.setattr(calibrate, "cache_path", lambda device: tmp_path / "calibration-gpu.json")
+    monkeypatch.setattr(calibrate, "load_cached", lambda device, bf16=False: stored["rates"])
+    monkeypatch.setattr(calibrate, "cache_path", lambda device, bf16=False: tmp_path / "calibration-gpu.json")
     sizes = [25_000_000] * 16
     planner = Planner(sizes, torch.device("cuda"), 2)
     monkeypatch.setattr(planner, "slots_that_fit", lambda: 2)

@@ -5,6 +5,8 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
   CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
                [params_up]  fp32 master -> GPU scratch -> cast into the model's param
+               (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half; AdamW reading it, applying the
+               multipliers and rounding the params into the other half, ``cpu_adamw.py``; those go up)
   staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot (or nothing: the
                             states came in during backward, ``prefetch.py``)
                [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from . import cpu_adamw
 from .adam import AdamHyper, adam_update
 from .lanes import Lane, Done, current_point
 from .layout import Subgroup
@@ -44,6 +47,7 @@ if TYPE_CHECKING:
 FP32 = torch.float32
 STAGED_BYTES = 12  # PCIe bytes per element, each direction: fp32 master, exp_avg, exp_avg_sq
 CPU_PATH_BYTES = 4  # PCIe bytes per element, each direction: fp32 grad down, fp32 master up
+BF16_CPU_PATH_BYTES = 2  # the same with ``bf16_cpu_path``: bf16 grad down, bf16 param up
 SLOT_BYTES_PER_ELEMENT = 16  # a staging slot: fp32 param, grad, exp_avg, exp_avg_sq
 GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
 # With two slots, a subgroup's way in waits for the flush of the one two places ahead: a gap per subgroup.
@@ -117,9 +121,21 @@ def _grads_fp32(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None,
         dst.copy_(work, non_blocking=True)
 
 
+def _grads_bf16(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None, grads: dict | None) -> None:
+    """dst = the subgroup's bf16 gradients as they are (the multipliers are applied on the host, in fp32)."""
+    work = dst if scratch is None else scratch.view(torch.bfloat16)[: sg.numel]
+    sg.gather_grads(work, grads)
+    if hasattr(grads, "gathered"):
+        grads.gathered(sg)
+    if work is not dst:
+        dst.copy_(work, non_blocking=True)
+
+
 def _params_from(src: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None) -> None:
-    """The model's params = src (fp32 masters, on the host or the GPU) rounded, cast on the params' device."""
+    """The model's params = src (fp32 masters, or bf16 params rounded on the host; on the host or the GPU)
+    rounded, cast on the params' device."""
     if scratch is not None:
+        scratch = scratch.view(src.dtype)
         scratch[: sg.numel].copy_(src, non_blocking=True)
         src = scratch[: sg.numel]
     sg.scatter_params(src)
@@ -133,9 +149,10 @@ class _GradFeed:
     """Sends CPU subgroups' gradients down (up-cast on the GPU), GRAD_LOOKAHEAD ahead of the CPU; those that
     were streamed down during backward (``landed``: subgroup index -> event) are not sent again."""
 
-    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers, landed: dict, grads: dict | None) -> None:
+    def __init__(self, lane: Lane, jobs: list[Job], scratch, multipliers, landed: dict, grads: dict | None,
+                 bf16: set[int]) -> None:
         self.lane, self.jobs, self.scratch, self.multipliers, self.grads = lane, jobs, scratch, multipliers, grads
-        self.streamed = landed
+        self.streamed, self.bf16 = landed, bf16  # bf16: subgroups whose bf16 gradients go down as they are
         self.events: list = []
         for _ in range(GRAD_LOOKAHEAD):
             self._send()
@@ -147,7 +164,10 @@ class _GradFeed:
                 self.events.append(self.streamed[sg.index] or Done())
                 return
             with self.lane.run(f"sg{sg.index}"):
-                _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers, self.grads)
+                if sg.index in self.bf16:
+                    _grads_bf16(sg.bf16_halves()[0], sg, self.scratch, self.grads)
+                else:
+                    _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers, self.grads)
             self.events.append(self.lane.record())
 
     def landed(self, i: int):
@@ -159,8 +179,11 @@ class _GradFeed:
 class Engine:
     """Runs updates for one device; holds its lanes and its CPU worker, nothing between steps."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, bf16_cpu_path: bool = False) -> None:
+        """``bf16_cpu_path``: CPU-placed subgroups of bf16 params whose gradients are sent at the update take
+        the bf16 kernel of ``cpu_adamw.py`` (if it builds here and matches torch's kernel; else torch's)."""
         self.device = device
+        self.bf16_kernel = cpu_adamw.load() if bf16_cpu_path else None
         names = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident")
         self.lanes = {name: Lane(device) for name in names}
         self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out, self.resident = self.lanes.values()
@@ -224,9 +247,11 @@ class Engine:
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
         jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
-        feed = _GradFeed(self.grads_down, [j for j in jobs if j.placement is Placement.CPU], down, multipliers, landed,
-                         grads)
-        on_host = [m.to("cpu") for m in multipliers] if landed else []
+        on_cpu = [j for j in jobs if j.placement is Placement.CPU]
+        bf16 = {j.subgroup.index for j in on_cpu if self.bf16_kernel is not None and j.subgroup.index not in landed
+                and j.ran_ahead is None and j.subgroup.bf16}
+        feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
+        on_host = [m.to("cpu") for m in multipliers] if landed or bf16 else []
         pending: list[Future] = []
         try:
             pending = [self.on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
@@ -252,7 +277,7 @@ class Engine:
         window = Lane.window_seconds(self.stage_in, self.stage_out)
         timeline = self._timeline(origin, start) if self.trace else None
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
-        stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window)
+        stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window, bf16)
         stats.device_bytes = sum(4 * t.numel() for t in (down, up, scratch) if t is not None) + sum(
             SLOT_BYTES_PER_ELEMENT * slot.p.numel() for slot in slots)
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
@@ -324,15 +349,18 @@ class Engine:
             job.ran_ahead.result()  # queued on this worker before the update: ended, or raises its error
         else:
             t0 = time.perf_counter()
-            if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies, here
-                for m in on_host:
-                    sg.grad32.mul_(m)
-            job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
+            if sg.index in feed.bf16:
+                cpu_adamw.update_subgroup(self.bf16_kernel, job, [float(m) for m in on_host])
+            else:
+                if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies
+                    for m in on_host:
+                        sg.grad32.mul_(m)
+                job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
             t1 = time.perf_counter()
             self._cpu_adam_seconds += t1 - t0
             self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
         with self.params_up.run(f"sg{sg.index}"):
-            _params_from(sg.master, sg, scratch)
+            _params_from(sg.bf16_halves()[1] if sg.index in feed.bf16 else sg.master, sg, scratch)
         self._on_written(sg.index, self.params_up.record())
 
     def _update_resident(self, job: Job, residents: Residents, fresh: bool, scratch: torch.Tensor,
@@ -380,11 +408,12 @@ class Engine:
 
     @staticmethod
     def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float],
-               window: float) -> UpdateStats:
+               window: float, bf16: set[int]) -> UpdateStats:
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
         resident = sum(j.placement is Placement.RESIDENT for j in jobs)
-        link_bytes = STAGED_BYTES * sum(sg.numel for sg in staged) + CPU_PATH_BYTES * sum(sg.numel for sg in cpu)
+        link_bytes = STAGED_BYTES * sum(sg.numel for sg in staged) + sum(
+            (BF16_CPU_PATH_BYTES if sg.index in bf16 else CPU_PATH_BYTES) * sg.numel for sg in cpu)
         return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=link_bytes,
                            d2h_bytes=link_bytes, lane_seconds=busy, staged_window_s=window,
                            resident_subgroups=resident)

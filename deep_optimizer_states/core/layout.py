@@ -104,8 +104,19 @@ class Subgroup:
     exp_avg_sq = property(lambda self: self._s(self.bucket.exp_avg_sq))
     grad32 = property(lambda self: self._s(self.bucket.grad32))
 
+    @property
+    def bf16(self) -> bool:
+        """Every param here is bf16 (and so is its gradient)."""
+        return all(self.bucket.params[pc.i].dtype == torch.bfloat16 for pc in self.pieces)
+
+    def bf16_halves(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """grad32's host memory as two bf16 buffers: the gradients landing, the rounded params going up
+        (the bf16 CPU path, ``cpu_adamw.py``)."""
+        return self.grad32.view(torch.bfloat16).view(2, self.numel).unbind(0)
+
     def gather_grads(self, dst: torch.Tensor, grads: dict[int, torch.Tensor | None] | None = None) -> None:
-        """dst (flat fp32, on any device) = this subgroup's gradients; a missing gradient reads as zeros.
+        """dst (flat fp32, or bf16 for bf16 params; any device) = this subgroup's gradients; a missing gradient
+        reads as zeros.
         ``grads``: the gradients by id(param), held since the step began (an update left running reads
         those, whatever ``.grad`` holds by then); else each param's ``.grad`` now."""
         for pc in self.pieces:
@@ -118,7 +129,8 @@ class Subgroup:
                 out.copy_(grad.reshape(-1)[pc.lo : pc.hi], non_blocking=True)
 
     def scatter_params(self, src: torch.Tensor) -> None:
-        """The model's params = src (flat fp32, on the params' device) rounded to each param's dtype."""
+        """The model's params = src (flat fp32, or bf16 already rounded; on the params' device) rounded to each
+        param's dtype."""
         for pc in self.pieces:
             p = local(self.bucket.params[pc.i]).detach()  # the CPU worker thread is not under no_grad
             p.view(-1)[pc.lo : pc.hi].copy_(src[pc.at : pc.at + pc.hi - pc.lo], non_blocking=True)

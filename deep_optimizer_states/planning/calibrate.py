@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..core.adam import AdamHyper, adam_update
-from ..core.engine import DEFAULT_STAGING_SLOTS, Engine, Job
+from ..core.engine import BF16_CPU_PATH_BYTES, DEFAULT_STAGING_SLOTS, Engine, Job
 from ..core.host_memory import host_empty
 from ..core.lanes import Lane
 from ..core.residency import Residents
@@ -40,29 +40,31 @@ ENGINE_ATTEMPTS = 3
 _HYPER = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, decoupled=True)
 
 
-def fingerprint(device: torch.device) -> dict:
+def fingerprint(device: torch.device, bf16: bool = False) -> dict:
+    """What the rates depend on; ``bf16``: the engine's bf16 CPU path (its own rates, its own file)."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    return {"gpu": gpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "host": platform.node(), "local_ranks": local_ranks()}  # ranks on one host share its bandwidth
+    out = {"gpu": gpu, "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "host": platform.node(), "local_ranks": local_ranks()}  # ranks on one host share its bandwidth
+    return {**out, "cpu_path": "bf16"} if bf16 else out
 
 
-def cache_path(device: torch.device) -> Path:
+def cache_path(device: torch.device, bf16: bool = False) -> Path:
     root = os.environ.get("DOS_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") \
         / "deep_optimizer_states"  # an empty XDG_CACHE_HOME means unset
-    key = hashlib.sha1(json.dumps(fingerprint(device), sort_keys=True).encode()).hexdigest()[:12]
+    key = hashlib.sha1(json.dumps(fingerprint(device, bf16), sort_keys=True).encode()).hexdigest()[:12]
     return Path(root) / f"calibration-{key}.json"
 
 
-def load_cached(device: torch.device) -> Rates | None:
+def load_cached(device: torch.device, bf16: bool = False) -> Rates | None:
     """The cached rates for this machine, or None (with a warning when a file is there but unusable)."""
-    path = cache_path(device)
+    path = cache_path(device, bf16)
     if not path.exists():
         return None
     try:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):
             raise ValueError("not a calibration record")
-        if data.get("version") != CACHE_VERSION or data.get("fingerprint") != fingerprint(device):
+        if data.get("version") != CACHE_VERSION or data.get("fingerprint") != fingerprint(device, bf16):
             raise ValueError("stale: made by another version or for another machine")
         rates = Rates(**data["rates"])
         if not all(isinstance(v, (int, float)) and (v > 0 or (k == "resident" and v == 0))
@@ -74,14 +76,14 @@ def load_cached(device: torch.device) -> Rates | None:
         return None
 
 
-def save(rates: Rates, device: torch.device) -> Path | None:
+def save(rates: Rates, device: torch.device, bf16: bool = False) -> Path | None:
     """Cache ``rates`` for this machine; where the cache cannot be written (read-only home, disk full), warn
     and go on with the rates in memory (the next process calibrates again). Returns the file, or None."""
-    path = cache_path(device)
+    path = cache_path(device, bf16)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")  # ranks of one host may save at once
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fingerprint(device),
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "fingerprint": fingerprint(device, bf16),
                                    "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"), "rates": rates.as_dict()},
                                   indent=1))
         tmp.replace(path)  # atomic: a crash never leaves half a file
@@ -95,16 +97,16 @@ def save(rates: Rates, device: torch.device) -> Path | None:
 
 
 def calibrated_rates(device: torch.device, force: bool = False, log: Callable[[str], None] | None = None,
-                     sync: RankSync | None = None) -> Rates:
+                     sync: RankSync | None = None, bf16: bool = False) -> Rates:
     """Cached rates for this machine, measuring (and caching) them first if needed or forced. With ``sync``
     (ranks planning together, who must all call this with ``force``), the ranks measure in lock-step and
-    keep the average of their rates."""
-    rates = None if force else load_cached(device)
+    keep the average of their rates. ``bf16``: of the engine with its bf16 CPU path."""
+    rates = None if force else load_cached(device, bf16)
     if rates is None:
         sync = sync or RankSync(None, device)
-        rates = measure(device, log=log, sync=sync)
+        rates = measure(device, log=log, sync=sync, bf16=bf16)
         rates = Rates(**dict(zip(rates.as_dict(), sync.mean(list(rates.as_dict().values())))))
-        save(rates, device)
+        save(rates, device, bf16)
     return rates
 
 
@@ -131,7 +133,7 @@ def _rate(fn: Callable[[], None], work: float, sync: Callable[[], None], min_s: 
 
 
 def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
-            log: Callable[[str], None] | None = None, sync: RankSync | None = None) -> Rates:
+            log: Callable[[str], None] | None = None, sync: RankSync | None = None, bf16: bool = False) -> Rates:
     """Measure every rate of ``Rates`` on ``device`` (a GPU; on the CPU the link is a host memory copy).
     Ranks that share a host call it together with a ``sync`` over them: each rate is then measured while
     every rank runs the same work, which is how training will run."""
@@ -159,7 +161,7 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
     raw["gpu_upcast"] = _rate(lambda: dp.copy_(half), n, wait, barrier=barrier)
     host_half = torch.empty(n, dtype=torch.bfloat16)
     raw["cpu_downcast"] = _rate(lambda: host_half.copy_(p), n, wait, barrier=barrier)
-    rates = _engine_rates_checked(device, n, subgroups, raw, ranks, log)
+    rates = _engine_rates_checked(device, n, subgroups, raw, ranks, log, bf16)
     log(f"calibrated in {time.perf_counter() - start:.1f} s ({torch.get_num_threads()} CPU threads, "
         f"{subgroups} subgroups of {n / 1e6:g}M elements):")
     for line in describe(rates):
@@ -168,23 +170,23 @@ def measure(device: torch.device, numel: int | None = None, subgroups: int = 16,
 
 
 def _engine_rates_checked(device: torch.device, n: int, count: int, raw: dict, sync: RankSync,
-                          log: Callable[[str], None]) -> Rates:
+                          log: Callable[[str], None], bf16: bool = False) -> Rates:
     """The engine's rates; measured again (all ranks, while any rank's CPU path read below ``LOW_ENGINE_CPU``
     of the bare kernel) and the attempt with the fastest CPU path kept: a host busy with something else
     slows a reading, never speeds it up. A reading still low after ``ENGINE_ATTEMPTS`` warns: "auto" would
     then leave the CPU idle, and updates that never use the CPU cannot correct its rate."""
-    rates = _engine_rates(device, n, count, raw, sync.barrier)
+    rates = _engine_rates(device, n, count, raw, sync.barrier, bf16)
     for _ in range(ENGINE_ATTEMPTS - 1):
         if not sync.anyone(rates.cpu_engine < LOW_ENGINE_CPU * rates.cpu_adam):
             return rates
         log(f"the engine's CPU path ran at {rates.cpu_engine / 1e9:.2f} G elements/s against the bare AdamW "
             f"kernel's {rates.cpu_adam / 1e9:.2f}: measuring the engine again")
-        rates = max(rates, _engine_rates(device, n, count, raw, sync.barrier), key=lambda r: r.cpu_engine)
+        rates = max(rates, _engine_rates(device, n, count, raw, sync.barrier, bf16), key=lambda r: r.cpu_engine)
     if rates.cpu_engine < LOW_ENGINE_CPU * rates.cpu_adam:
         warnings.warn(f"calibration: the engine's CPU path ran at {rates.cpu_engine / 1e9:.2f} G elements/s in "
                       f"{ENGINE_ATTEMPTS} attempts against the bare AdamW kernel's {rates.cpu_adam / 1e9:.2f}, so "
                       "\"auto\" will put little or nothing on the CPU. If the host was busy (another job, another "
-                      f"process freeing memory), measure again: delete {cache_path(device)} (or call "
+                      f"process freeing memory), measure again: delete {cache_path(device, bf16)} (or call "
                       "opt.calibrate(force=True), on every rank of a sharded model); if the CPU threads "
                       f"({torch.get_num_threads()}) are as many as the cores, pass fewer (cpu_threads=)")
     return rates
@@ -192,16 +194,17 @@ def _engine_rates_checked(device: torch.device, n: int, count: int, raw: dict, s
 
 @torch.no_grad()
 def _engine_rates(device: torch.device, n: int, count: int, raw: dict,
-                  barrier: Callable[[], None] = _no_barrier) -> Rates:
+                  barrier: Callable[[], None] = _no_barrier, bf16: bool = False) -> Rates:
     """Run the engine on a synthetic layout: all on the CPU, all staged, and two mixes (contended rates)."""
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(torch.bfloat16)) for _ in range(count)]
     for p in params:
         p.grad = torch.empty_like(p).normal_(0.0, 1e-3)
     layout = Layout([(params, [f"p{i}" for i in range(count)])], n, device)
-    engine = Engine(device)
+    engine = Engine(device, bf16)
+    path_bytes = BF16_CPU_PATH_BYTES if engine.bf16_kernel is not None else CPU_PATH_BYTES  # bf16 params here
     sizes = [sg.numel for sg in layout.subgroups]
     unknown = dict.fromkeys(("cpu_engine", "cpu_contended", "link", "link_contended", "per_subgroup_s"), 1.0)
-    raw_only = Rates(**raw, **unknown)  # enough to price the unoverlapped first and last transfers
+    raw_only = Rates(**raw, **unknown, cpu_path_bytes=path_bytes)  # enough to price the unoverlapped first and last transfers
 
     def run(places: list[Placement]) -> tuple[float, float, float, float]:
         """Medians of three updates after a warm-up: wall seconds less each path's first and last
@@ -235,8 +238,9 @@ def _engine_rates(device: torch.device, n: int, count: int, raw: dict,
     window = max(run(cpu_bound)[3], 1e-9)
     staged_bytes = STAGED_BYTES * (total - on_cpu(cpu_bound))
     return Rates(**raw, cpu_engine=total / cpu_s, cpu_contended=cpu_contended, link=STAGED_BYTES * total / link_body,
-                 link_contended=staged_bytes / window + CPU_PATH_BYTES * cpu_contended, per_subgroup_s=per_subgroup_s,
-                 resident=_resident_rate(engine, layout.subgroups[:RESIDENT_SUBGROUPS], barrier))
+                 link_contended=staged_bytes / window + path_bytes * cpu_contended, per_subgroup_s=per_subgroup_s,
+                 resident=_resident_rate(engine, layout.subgroups[:RESIDENT_SUBGROUPS], barrier),
+                 cpu_path_bytes=path_bytes)
 
 
 def _resident_rate(engine: Engine, subgroups: list, barrier: Callable[[], None]) -> float:

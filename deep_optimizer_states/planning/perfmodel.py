@@ -6,7 +6,8 @@ small synthetic layout and measures two regimes: each path alone (all subgroups 
 and both at once (5 in 8 staged, so the link is busy all the time the CPU runs), reading the CPU AdamW
 time from the engine's telemetry. Raw kernel and copy rates are measured too, for fill and drain.
 
-Per element: a CPU-placed subgroup moves 4 B down (fp32 grad) and 4 B up (fp32 master) and costs one CPU
+Per element: a CPU-placed subgroup moves 4 B down (fp32 grad) and 4 B up (fp32 master; 2 and 2 with
+``bf16_cpu_path``: ``Rates.cpu_path_bytes``, set by the engine that was calibrated) and costs one CPU
 AdamW element; a staged one moves 12 B each way (master, exp_avg, exp_avg_sq) and one GPU AdamW element;
 a resident one costs the GPU its gather, AdamW and scatter (the engine's calibrated resident rate) and no
 PCIe traffic. The update runs in two phases: while both the CPU and
@@ -48,6 +49,7 @@ class Rates:
     cpu_downcast: float  # CPU fp32 -> bf16 (elements/s), for reference: the engine casts on the GPU
     per_subgroup_s: float  # fixed cost of one CPU subgroup (event wait, dispatch)
     resident: float = 0.0  # the engine's resident path (gather, up-cast, AdamW, scatter); 0: not measured
+    cpu_path_bytes: float = CPU_PATH_BYTES  # PCIe bytes per CPU element each way in the calibrated engine
 
     @property
     def resident_path(self) -> float:
@@ -115,7 +117,7 @@ def counts(sizes: Sequence[float], places: Sequence[Placement]) -> Counts:
 
 
 def _fills(k: Counts, r: Rates) -> tuple[float, float]:
-    cpu_fill = CPU_PATH_BYTES * (k.cpu_first / r.d2h + k.cpu_last / r.h2d) if k.cpu else 0.0
+    cpu_fill = r.cpu_path_bytes * (k.cpu_first / r.d2h + k.cpu_last / r.h2d) if k.cpu else 0.0
     link_fill = STAGED_BYTES * k.staged_first / r.h2d + k.staged_last / r.gpu_adam if k.staged else 0.0
     return cpu_fill, link_fill
 
@@ -135,7 +137,7 @@ def price(k: Counts, r: Rates, slots: int = 2) -> Prediction:
     """Predicted update time of a placement given by its ``Counts``: constant time in the subgroup count."""
     c, s, resident = k.cpu_sum, k.staged_sum, k.resident_sum
     turns = 1 if slots > 1 else 2  # one slot: the way in and the way back take turns
-    link_work = STAGED_BYTES * s + CPU_PATH_BYTES * c  # bytes per direction
+    link_work = STAGED_BYTES * s + r.cpu_path_bytes * c  # bytes per direction
     if s:
         cpu_body, link_body = _two_phases(c, r.cpu_contended, r.cpu_engine,
                                           link_work, r.link_contended / turns, r.link / turns)
@@ -212,13 +214,13 @@ def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0
     last_staged = table[((s - 1) * count) // s].to(f64)
     c, st = cpu_sum.to(f64), staged_sum.to(f64)
     turns = 1 if slots > 1 else 2
-    link_work = (STAGED_BYTES * staged_sum + CPU_PATH_BYTES * cpu_sum).to(f64)
+    link_work = (STAGED_BYTES * staged_sum + r.cpu_path_bytes * cpu_sum).to(f64)
     rate_b, alone_b = r.link_contended / turns, r.link / turns
     together = torch.minimum(c / r.cpu_contended, link_work / rate_b)
     cpu_body = together + (c - r.cpu_contended * together) / r.cpu_engine
     link_body = together + (link_work - rate_b * together) / alone_b
     gpu_s = st / r.gpu_adam + resident / r.resident_path + float(total) / r.gpu_upcast
-    cpu_fill = CPU_PATH_BYTES * (first_cpu / r.d2h + float(table[-1]) / r.h2d)
+    cpu_fill = r.cpu_path_bytes * (first_cpu / r.d2h + float(table[-1]) / r.h2d)
     link_fill = STAGED_BYTES * float(table[0]) / r.h2d + last_staged / r.gpu_adam
     cpu_fill = cpu_fill + (count - s).to(f64) * r.per_subgroup_s
     out[1:count] = torch.maximum(torch.maximum(cpu_body + cpu_fill, link_body + link_fill), gpu_s)
@@ -243,7 +245,7 @@ def stride_formula(subgroup: int, r: Rates) -> float:
     t_link is the staged subgroup's transfer on the link left over by the CPU path's own traffic.
     """
     t_cpu = subgroup / r.cpu_contended
-    t_link = STAGED_BYTES * subgroup / (r.link_contended - CPU_PATH_BYTES * r.cpu_contended)
+    t_link = STAGED_BYTES * subgroup / (r.link_contended - r.cpu_path_bytes * r.cpu_contended)
     return 1 + t_link / t_cpu
 
 

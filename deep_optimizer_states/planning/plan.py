@@ -55,12 +55,12 @@ class Planner:
 
     def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None,
                  budget: MemoryBudget | None = None, provisional: Schedule = "auto",
-                 sync: RankSync | None = None) -> None:
+                 sync: RankSync | None = None, bf16: bool = False) -> None:
         """``provisional``: the fixed schedule "auto" runs until calibration ("cpu" when gradients are
         streamed off the GPU: the first backward then keeps none of them there). ``sync``: the ranks that
         plan together (FSDP2); they decide together whether to load stored rates or to calibrate, and
-        calibrate in lock-step."""
-        self.sizes, self.device, self.max_slots = sizes, device, max_slots
+        calibrate in lock-step. ``bf16``: the engine runs its bf16 CPU path (its rates are calibrated apart)."""
+        self.sizes, self.device, self.max_slots, self.bf16 = sizes, device, max_slots, bf16
         self.provisional = validate_schedule(provisional)
         if budget is None:
             gpu = device.type == "cuda" and torch.cuda.is_available()
@@ -95,13 +95,13 @@ class Planner:
 
         if self.sync.collective and self._stored_checked:
             return None
-        rates = load_cached(self.device)
+        rates = load_cached(self.device, self.bf16)
         if self.sync.collective:
             self._stored_checked = True
             if not self.sync.everyone(rates is not None):
                 rates = None
         if rates is not None:
-            log.info("using the calibration stored in %s", cache_path(self.device))
+            log.info("using the calibration stored in %s", cache_path(self.device, self.bf16))
         return rates
 
     def _measure(self) -> Rates:
@@ -111,8 +111,8 @@ class Planner:
         if not self._announced:
             self._announced = True
             log.info("schedule 'auto': calibrating this machine's rates once (seconds); "
-                     "stored in %s and reused from there", cache_path(self.device))
-        return calibrated_rates(self.device, force=True, log=log.info, sync=self.sync)
+                     "stored in %s and reused from there", cache_path(self.device, self.bf16))
+        return calibrated_rates(self.device, force=True, log=log.info, sync=self.sync, bf16=self.bf16)
 
     def calibrate(self, force: bool = False) -> Rates:
         """Load this machine's rates (measure and store them if none are stored, or if ``force``) and, for
@@ -161,7 +161,7 @@ class Planner:
                 return
             from .calibrate import load_cached
 
-            self._calibrated = load_cached(self.device)
+            self._calibrated = load_cached(self.device, self.bf16)
             if self._calibrated is None:
                 return
         ran = list(placements) if placements is not None else self.current.placements

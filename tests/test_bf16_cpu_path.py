@@ -1,0 +1,75 @@
+"""``bf16_cpu_path``: bf16 gradients down, bf16 params up, the bf16 kernel between; bit for bit the fp32 path."""
+
+import shutil
+
+import pytest
+import torch
+
+from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states.core import cpu_adamw
+from tests.harness import mlp, tiny_llama, train_and_compare
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                                reason="the kernel is built with a C++ compiler and ninja")
+
+
+def _bf16_params(seed: int) -> list[torch.nn.Parameter]:
+    """Sizes that are no multiple of the kernel's unit, so that subgroups cut params anywhere."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1000,), (37, 13), (517,), (64, 64), (5,), (300, 7)]
+    return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in shapes]
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("subgroup_size", [37, 1000, 4000])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_equals_the_fp32_cpu_path_bit_for_bit(adamw, subgroup_size, clip):
+    """Same params, same gradients (some params without one at some steps, so spans and step counts differ
+    between neighbours): masters, moments and the bf16 params equal the default path's after each step."""
+    assert cpu_adamw.load() is not None
+    params = {lean: _bf16_params(0) for lean in (False, True)}
+    opts = {lean: DeepOptimizerStates(params[lean], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, adamw=adamw,
+                                      subgroup_size=subgroup_size, schedule="cpu", max_grad_norm=clip,
+                                      bf16_cpu_path=lean) for lean in (False, True)}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        for k, p in enumerate(params[False]):
+            grad = None if (k + step) % 4 == 0 else (torch.randn(p.shape, generator=gen) * 0.1).bfloat16()
+            for lean in (False, True):
+                params[lean][k].grad = None if grad is None else grad.clone()
+        for opt in opts.values():
+            opt.step()
+        for p, q in zip(params[False], params[True]):
+            assert torch.equal(p, q), f"step {step}: param of shape {tuple(p.shape)}"
+            assert torch.equal(opts[False].master(p), opts[True].master(q))
+            if "exp_avg" in opts[False].state[p]:
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert torch.equal(opts[False].state[p][key], opts[True].state[q][key])
+    # the same subgroups moved half the bytes: bf16 up and down, the kernel's path was taken
+    assert 2 * opts[True].last_update.h2d_bytes == opts[False].last_update.h2d_bytes > 0
+
+
+@pytest.mark.parametrize("kind", ["mlp", "llama"])
+def test_matches_torch_adamw_on_fp32_masters(kind):
+    model = {"mlp": mlp, "llama": tiny_llama}[kind](torch.bfloat16)
+    size = sum(p.numel() for p in model.parameters()) // 10
+    opt = DeepOptimizerStates(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
+                              schedule="cpu", max_grad_norm=1.0, bf16_cpu_path=True)
+    train_and_compare(model, opt, steps=12)
+    assert opt.last_update.h2d_bytes == 2 * sum(p.numel() for p in model.parameters())
+
+
+def test_fp32_params_keep_torchs_kernel():
+    """The bf16 path is for bf16 params: fp32 ones take the fp32 path (4 bytes each way), still exact."""
+    model = mlp(torch.float32)
+    opt = DeepOptimizerStates(model, lr=3e-3, subgroup_size=2500, schedule="cpu", bf16_cpu_path=True)
+    train_and_compare(model, opt, steps=5)
+    assert opt.last_update.h2d_bytes == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_bad_settings_are_refused():
+    model = mlp(torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16_cpu_path must be True or False"):
+        DeepOptimizerStates(model, bf16_cpu_path=1)
+    with pytest.raises(ValueError, match="with stream_grads=True they go down in fp32 .* pass one of the two"):
+        DeepOptimizerStates(model, bf16_cpu_path=True, stream_grads=True)

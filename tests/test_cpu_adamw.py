@@ -1,0 +1,90 @@
+"""The bf16-gradient CPU AdamW kernel: bit for bit torch's fused CPU kernel, or not used at all."""
+
+import shutil
+import warnings
+
+import pytest
+import torch
+
+from deep_optimizer_states.core import cpu_adamw
+from deep_optimizer_states.core.adam import AdamHyper, adam_update
+
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                                    reason="the kernel is built with a C++ compiler and ninja")
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a build failure or a mismatch warns: here it must not happen
+        built = cpu_adamw.load()
+    assert built is not None
+    return built
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_equals_torchs_kernel_bit_for_bit(kernel, threads, seed):
+    """Fresh random data each seed, sizes with and without a scalar tail, AdamW and Adam, multipliers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_adamw.mismatch(kernel, sizes=(16, 5, 512 * 40 + 3, 300_017), seed=seed) is None
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_compiler
+def test_ten_steps_on_views_equal_torchs_and_the_rounded_params(kernel):
+    """Steps in sequence on views into one flat buffer (as the layout's spans are), with a clip factor."""
+    gen = torch.Generator().manual_seed(7)
+    n = 4096 + 16 * 9
+    ours = [torch.randn(2 * n, generator=gen), torch.zeros(2 * n), torch.zeros(2 * n)]
+    ref = [t.clone() for t in ours]
+    h = AdamHyper(2e-3, 0.9, 0.999, 1e-8, 0.1, True)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for step in range(10):
+        g = (torch.randn(n, generator=gen) * 10 ** -(step % 4)).bfloat16()
+        clip = torch.tensor(0.25 + step / 40, dtype=torch.float32)
+        p, m, v = (t[n:] for t in ours)
+        kernel(p, g, m, v, step, h, (float(clip),), out)
+        g32 = g.float().mul_(clip)
+        adam_update(ref[0][n:], g32, ref[1][n:], ref[2][n:], step, h)
+        for a, b in zip(ours, ref):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+        assert torch.equal(out.view(torch.int16), ref[0][n:].bfloat16().view(torch.int16))
+    assert torch.equal(ours[0][:n], ref[0][:n])  # the other half untouched
+
+
+def test_a_failed_build_keeps_torchs_kernel(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(ext, "load_inline", broken)
+    cpu_adamw.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="did not build .*no compiler here.*torch's fused kernel is used"):
+            assert cpu_adamw.load() is None
+    finally:
+        cpu_adamw.load.cache_clear()
+
+
+@needs_compiler
+def test_a_kernel_that_differs_is_not_used(monkeypatch, kernel):
+    """Were torch's kernel to round differently (another version), no form matches and load() says so."""
+    real = cpu_adamw.adam_update
+
+    def shifted(param, *args):
+        real(param, *args)
+        param.view(torch.int32).add_(1)  # one ulp off everywhere
+
+    monkeypatch.setattr(cpu_adamw, "adam_update", shifted)
+    cpu_adamw.load.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="does not match torch's kernel here in any of its 12 forms"):
+            assert cpu_adamw.load() is None
+    finally:
+        cpu_adamw.load.cache_clear()
