@@ -74,8 +74,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     (with ``stream_grads``) also runs their AdamW during backward, on a copy kept aside: ``step()`` keeps
     it when the step neither skips nor clips and nothing changed since, and undoes it otherwise.
 
-    ``bf16_cpu_path=True`` (opt-in, without ``stream_grads``): CPU-placed subgroups of bf16 params send their
-    gradients down in bf16 and their params up in bf16 (half the PCIe bytes, 32 instead of 36 through host
+    ``bf16_cpu_path=True`` (opt-in): CPU-placed subgroups of bf16 params send their gradients down in bf16
+    (also when streamed) and their params up in bf16 (half the PCIe bytes, 32 instead of 36 through host
     memory per element), through a kernel of ours compiled at first use and checked bit for bit against
     torch's; where it does not build or match, torch's kernel is used, with a warning.
 
@@ -172,9 +172,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                              "hooks in backward")
         if not isinstance(bf16_cpu_path, bool):
             raise ValueError(f"bf16_cpu_path must be True or False, got {bf16_cpu_path!r}")
-        if bf16_cpu_path and stream_grads:
-            raise ValueError("bf16_cpu_path=True reads the gradients sent at the update, in bf16; with "
-                             "stream_grads=True they go down in fp32 during backward: pass one of the two")
         if speculate and loss_scale is not None and (loss_scale != "auto" or any(
                 p.dtype == torch.float16 for params, _ in trainable for p in params)):
             raise ValueError("speculate does not support loss scaling (fp16 params): train bf16 params, or pass "
@@ -208,7 +205,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device),
                                bf16=self.engine.bf16_kernel is not None)
         self._largest_input = 0
-        self.grad_stream = GradStream(self.layout, self.device, _weak(self._is_cpu_placed)) if stream_grads else None
+        self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed),
+                                       self.engine.bf16_kernel is not None) if stream_grads else None)
         if self.prefetch is not None:
             self.grad_stream.after_grad = _weak(self._fill_ahead)
         self.speculation: Speculation | None = None
@@ -216,7 +214,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if speculate:
             self.speculation = Speculation(speculate, max((sg.numel for sg in self.layout.subgroups), default=0),
                                            local_ranks(), self.engine.on_cpu,
-                                           LAUNCH_CORES if self.device.type == "cuda" else 0)
+                                           LAUNCH_CORES if self.device.type == "cuda" else 0, self.engine.bf16_kernel)
             self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
@@ -777,7 +775,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             for index, event in self.grad_stream.landed.items():
                 if event is not None:
                     event.synchronize()
-                ok = ok and bool(torch.isfinite(self.layout.subgroups[index].grad32).all())
+                sg = self.layout.subgroups[index]
+                landed = sg.bf16_halves()[0] if self.engine.bf16_kernel is not None and sg.bf16 else sg.grad32
+                ok = ok and bool(torch.isfinite(landed).all())
         if self.group is None:
             return ok
         flag = torch.tensor([0 if ok else 1], device=self.device)

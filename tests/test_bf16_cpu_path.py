@@ -67,9 +67,34 @@ def test_fp32_params_keep_torchs_kernel():
     assert opt.last_update.h2d_bytes == 4 * sum(p.numel() for p in model.parameters())
 
 
-def test_bad_settings_are_refused():
-    model = mlp(torch.bfloat16)
+def test_a_bad_setting_is_refused():
     with pytest.raises(ValueError, match="bf16_cpu_path must be True or False"):
-        DeepOptimizerStates(model, bf16_cpu_path=1)
-    with pytest.raises(ValueError, match="with stream_grads=True they go down in fp32 .* pass one of the two"):
-        DeepOptimizerStates(model, bf16_cpu_path=True, stream_grads=True)
+        DeepOptimizerStates(mlp(torch.bfloat16), bf16_cpu_path=1)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("mode", ["stream", "stream+overlap", "stream+speculate"])
+def test_streamed_gradients_land_in_bf16_and_give_the_fp32_paths_results(mode, clip):
+    """With stream_grads the CPU path's gradients go down in bf16 during backward (their norms taken on the
+    GPU as before), the clip factor is applied in the kernel instead of a pass over fp32 gradients, and an
+    update run ahead (speculate) takes the kernel too: every step equals the default path's, bit for bit."""
+    kwargs = {"stream_grads": True, "overlap": "overlap" in mode, "speculate": "speculate" in mode}
+    models = {lean: tiny_llama(torch.bfloat16, seed=5) for lean in (False, True)}
+    size = sum(p.numel() for p in models[False].parameters()) // 10
+    opts = {lean: DeepOptimizerStates(models[lean], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
+                                      schedule="cpu", max_grad_norm=clip, bf16_cpu_path=lean, **kwargs)
+            for lean in (False, True)}
+    gen = torch.Generator().manual_seed(2)
+    for step in range(6):
+        ids = torch.randint(0, 128, (2, 16), generator=gen)
+        for lean in (False, True):
+            opts[lean].zero_grad()
+            models[lean](input_ids=ids, labels=ids).loss.backward()
+            opts[lean].step()
+            opts[lean].synchronize()
+        for (name, p), q in zip(models[False].named_parameters(), models[True].parameters()):
+            assert torch.equal(p, q), f"step {step}: {name}"
+            assert torch.equal(opts[False].master(p), opts[True].master(q)), f"step {step}: {name}"
+    assert 2 * opts[True].last_update.h2d_bytes == opts[False].last_update.h2d_bytes > 0
+    if "speculate" in mode and clip is None:
+        assert opts[True].speculation.kept > 0  # the kernel ran ahead, and was kept

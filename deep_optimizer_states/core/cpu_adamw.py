@@ -16,8 +16,8 @@ early and late steps; if the compiler is missing or any bit differs (another tor
 returns None and says why, and the caller keeps torch's kernel.
 
 The engine uses it with ``bf16_cpu_path=True`` (opt-in: not yet measured on a GPU machine) for CPU-placed
-subgroups of bf16 params whose gradients are sent at the update (``update_subgroup``); bench/cpu_kernel.py
-times it against torch's kernel.
+subgroups of bf16 params, their gradients sent at the update or streamed during backward, and for those
+run ahead (``update_subgroup``); bench/cpu_kernel.py times it against torch's kernel.
 """
 
 from __future__ import annotations

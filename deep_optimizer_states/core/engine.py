@@ -5,8 +5,9 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
   CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
                [params_up]  fp32 master -> GPU scratch -> cast into the model's param
-               (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half; AdamW reading it, applying the
-               multipliers and rounding the params into the other half, ``cpu_adamw.py``; those go up)
+               (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half, also when streamed; AdamW reading it,
+               applying the multipliers and rounding the params into the other half, ``cpu_adamw.py``;
+               those go up)
   staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot (or nothing: the
                             states came in during backward, ``prefetch.py``)
                [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
@@ -248,8 +249,7 @@ class Engine:
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
         jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
         on_cpu = [j for j in jobs if j.placement is Placement.CPU]
-        bf16 = {j.subgroup.index for j in on_cpu if self.bf16_kernel is not None and j.subgroup.index not in landed
-                and j.ran_ahead is None and j.subgroup.bf16}
+        bf16 = {j.subgroup.index for j in on_cpu if self.bf16_kernel is not None and j.subgroup.bf16}
         feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
         on_host = [m.to("cpu") for m in multipliers] if landed or bf16 else []
         pending: list[Future] = []

@@ -29,8 +29,10 @@ _OWNER: dict[int, weakref.ref] = {}  # id(param) -> the GradStream that streams 
 class GradStream:
     """Per step: which subgroups' gradients have landed on the host, and the norms of final gradients."""
 
-    def __init__(self, layout: Layout, device: torch.device, is_cpu_placed: Callable[[int], bool]) -> None:
-        self.layout, self.device, self.is_cpu_placed = layout, device, is_cpu_placed
+    def __init__(self, layout: Layout, device: torch.device, is_cpu_placed: Callable[[int], bool],
+                 bf16: bool = False) -> None:
+        """``bf16``: subgroups of bf16 params land as bf16, in the first half of grad32 (``bf16_cpu_path``)."""
+        self.layout, self.device, self.is_cpu_placed, self.bf16 = layout, device, is_cpu_placed, bf16
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.final = True  # False inside opt.accumulating(): this backward is not the last micro-batch
         self._subgroups_of = {id(p): layout.subgroups_of(b, i) for b in layout.buckets for i, p in enumerate(b.params)}
@@ -111,9 +113,12 @@ class GradStream:
             self.taken.add(id(p))
 
     def _send(self, sg: Subgroup) -> None:
-        """Gather and up-cast the subgroup's gradients on the side stream, then copy them to its grad32."""
+        """Gather and up-cast the subgroup's gradients on the side stream, then copy them to its grad32 (bf16
+        ones as they are, into its first half, with ``bf16``)."""
+        bf16 = self.bf16 and sg.bf16
+        dst = sg.bf16_halves()[0] if bf16 else sg.grad32
         if self.stream is None:
-            sg.gather_grads(sg.grad32)
+            sg.gather_grads(dst)
             self.landed[sg.index] = None
             self.sent += 1
             return
@@ -122,9 +127,9 @@ class GradStream:
                 self._buffer = torch.empty(self._biggest, dtype=torch.float32, device=self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the gradients are computed
         with torch.cuda.stream(self.stream):
-            work = self._buffer[: sg.numel]
+            work = (self._buffer.view(torch.bfloat16) if bf16 else self._buffer)[: sg.numel]
             sg.gather_grads(work)
-            sg.grad32.copy_(work, non_blocking=True)
+            dst.copy_(work, non_blocking=True)
             self.landed[sg.index] = self.stream.record_event()
         self.sent += 1
 

@@ -138,16 +138,18 @@ def test_cpu_path_threads_are_the_workers_own_and_do_not_change_a_bit():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("mode", ["sync", "overlap", "stream", "stream+overlap"])
 @pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
-def test_the_bf16_cpu_path_with_real_streams(schedule, overlap):
-    """bf16 gradients down, the bf16 kernel on the CPU worker, bf16 params up: torch's AdamW on fp32
-    masters, with clipping (its factor applied on the host), and half the CPU path's bytes each way."""
+def test_the_bf16_cpu_path_with_real_streams(schedule, mode):
+    """bf16 gradients down (at the update, or streamed during backward), the bf16 kernel on the CPU worker,
+    bf16 params up: torch's AdamW on fp32 masters, with clipping (its factor applied in the kernel), and
+    half the CPU path's bytes each way."""
     seed = _seed()
     model = tiny_llama(torch.bfloat16, "cuda", seed=seed)
     size = sum(p.numel() for p in model.parameters()) // 10
     opt = DeepOptimizerStates(model, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
-                              schedule=schedule, max_grad_norm=0.5, overlap=overlap, bf16_cpu_path=True)
+                              schedule=schedule, max_grad_norm=0.5, overlap="overlap" in mode,
+                              stream_grads="stream" in mode, bf16_cpu_path=True)
     assert opt.engine.bf16_kernel is not None
     train_and_compare(model, opt, steps=20, seed=seed)
     opt.synchronize()
