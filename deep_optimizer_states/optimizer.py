@@ -203,7 +203,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe),
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device),
-                               bf16=self.engine.bf16_kernel is not None)
+                               bf16=self.engine.bf16_kernel is not None
+                               and all(sg.bf16 for sg in self.layout.subgroups))
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed),
                                        self.engine.bf16_kernel is not None) if stream_grads else None)

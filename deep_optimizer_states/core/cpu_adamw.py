@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -51,7 +52,7 @@ static inline float from_bf16(uint16_t h) {
   return f;
 }
 
-static inline uint16_t to_bf16(float f) {  // round to nearest even, NaN -> 0x7FC0: as c10::BFloat16
+static inline uint16_t to_bf16(float f) {  // round to nearest even; a NaN stays a NaN (its bits may differ)
   uint32_t bits;
   std::memcpy(&bits, &f, 4);
   const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
@@ -121,6 +122,8 @@ static Kernel pick(bool l2, bool out) {
 void adamw_bf16(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor out,
                 double lr, double beta1, double beta2, double wd, double eps, int64_t step, bool decoupled,
                 std::vector<double> multipliers, int64_t variant) {
+  TORCH_CHECK(p.is_cpu() && g.is_cpu() && m.is_cpu() && v.is_cpu() && (!out.defined() || out.is_cpu()),
+              "host tensors");
   TORCH_CHECK(p.is_contiguous() && m.is_contiguous() && v.is_contiguous() && g.is_contiguous(), "contiguous");
   TORCH_CHECK(p.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat
               && g.scalar_type() == at::kBFloat16, "fp32 p, m, v and a bf16 gradient");
@@ -143,6 +146,8 @@ void adamw_bf16(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor
   const float k1 = multipliers.size() > 1 ? float(multipliers[1]) : 1.0f;
   float *pp = p.data_ptr<float>(), *mp = m.data_ptr<float>(), *vp = v.data_ptr<float>();
   const uint16_t* gp = reinterpret_cast<const uint16_t*>(g.data_ptr());
+  // torch's thread count for this thread, also where this build's OpenMP runtime is not torch's own
+  omp_set_num_threads(at::get_num_threads());
   pybind11::gil_scoped_release release;  // the training loop's thread runs on meanwhile
   kernel(pp, gp, mp, vp, o, n, lr, beta1, beta2, wd, eps, step, decoupled, k0, k1);
 }

@@ -251,7 +251,11 @@ class Engine:
         on_cpu = [j for j in jobs if j.placement is Placement.CPU]
         bf16 = {j.subgroup.index for j in on_cpu if self.bf16_kernel is not None and j.subgroup.bf16}
         feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
-        on_host = [m.to("cpu") for m in multipliers] if landed or bf16 else []
+        on_host = []
+        if landed or bf16:  # the multipliers are final at ``ready``, whichever stream computed them
+            if ready is not None:
+                ready.synchronize()
+            on_host = [m.to("cpu") for m in multipliers]
         pending: list[Future] = []
         try:
             pending = [self.on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
