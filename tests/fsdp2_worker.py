@@ -155,6 +155,31 @@ def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, spe
     print(f"rank {dist.get_rank()}: {steps} steps equal torch AdamW; local shard sizes {local}", flush=True)
 
 
+def bf16_path_mode(steps: int, schedule, stream: bool) -> None:
+    """bf16 params sharded by FSDP2: ours with bf16_cpu_path=True (bf16 gradient shards down, the bf16
+    kernel, bf16 params up) against a twin with the fp32 path, bit for bit at every step, clipped."""
+    models = [shard(make_model().to(torch.bfloat16)) for _ in range(2)]
+    opts = [DeepOptimizerStates(m, lr=LR, weight_decay=WD, subgroup_size=97, max_grad_norm=MAX_NORM,
+                                schedule="cpu" if schedule == "mixed" else schedule, stream_grads=stream,
+                                bf16_cpu_path=lean) for m, lean in zip(models, (True, False))]
+    if schedule == "mixed":
+        for opt in opts:
+            opt.schedule = [("resident", "staged", "cpu")[i % 3] for i in range(len(opt.layout.subgroups))]
+    assert opts[0].engine.bf16_kernel is not None, "the bf16 kernel did not load"
+    for step in range(steps):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            x, y = (my_rows(t).to(torch.bfloat16) for t in batch(step, 0))
+            (model(x) - y).float().pow(2).mean().backward()
+            opt.step()
+        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            assert torch.equal(a.to_local(), b.to_local()), f"step {step}, {name}: not the fp32 path's bits"
+            assert torch.equal(opts[0].master(a), opts[1].master(b)), f"step {step}, {name}: masters differ"
+    lean, plain = opts[0].last_update.h2d_bytes, opts[1].last_update.h2d_bytes
+    assert lean < plain, f"the bf16 path moved {lean} bytes up, the fp32 path {plain}"
+    print(f"rank {dist.get_rank()}: {steps} steps of the bf16 CPU path equal the fp32 path bit for bit", flush=True)
+
+
 def mixed_precision_mode(steps: int, schedule) -> None:
     """torchtitan's setting: fp32 sharded params, bf16 compute, fp32 reduce-scatter
     (MixedPrecisionPolicy). Ours on those shards must follow torch.optim.AdamW on a twin sharded alike."""
@@ -382,7 +407,7 @@ def main() -> None:
     global DEVICE, MAX_NORM
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["train", "save", "load", "calibrate", "mixed_precision", "nonfinite",
-                                     "overlap", "bad_schedule", "peer_build"])
+                                     "overlap", "bad_schedule", "peer_build", "bf16_path"])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--before", type=int, default=3)
     ap.add_argument("--after", type=int, default=3)
@@ -414,6 +439,8 @@ def main() -> None:
             bad_schedule_mode()
         elif args.mode == "peer_build":
             peer_build_mode(args.out, args.steps)
+        elif args.mode == "bf16_path":
+            bf16_path_mode(args.steps, schedule, args.stream)
         elif args.mode == "mixed_precision":
             mixed_precision_mode(args.steps, schedule)
         elif args.mode == "nonfinite":

@@ -358,3 +358,10 @@ def test_a_bad_extra_is_refused_before_a_sharded_save_starts(tmp_path):
     with pytest.raises(TypeError, match="extra key"):
         save_sharded_checkpoint(tmp_path, model, opt, extra={"f": lambda: 0})
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+@pytest.mark.parametrize("stream", [False, True], ids=["gathered", "streamed"])
+def test_the_bf16_cpu_path_on_sharded_bf16_params(stream):
+    out = torchrun(2, "bf16_path", "--steps", "5", "--schedule", "mixed", *(["--stream"] if stream else []))
+    assert out.count("5 steps of the bf16 CPU path equal the fp32 path bit for bit") == 2
