@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     clip = torch.tensor(0.5)
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        row = {"date": time.strftime("%Y-%m-%d"), "numel": n, "threads": threads, "cpu": cpu_name(), "torch": torch.__version__,
+        row = {"date": time.strftime("%Y-%m-%d"), "numel": n, "threads": threads, "cpu": cpu_name(),
+               "torch": torch.__version__,
                "equal_bit_for_bit": cpu_adamw.mismatch(kernel, seed=threads) is None,
                "torch_fp32_grads_G_per_s": _rate(lambda: adam_update(p, g32, m, v, 5, h), n) / 1e9,
                "torch_fp32_grads_with_clip_multiply_G_per_s":

@@ -7,10 +7,11 @@ gradient as bf16 (2 + 2 bytes: the up-cast is exact, done in registers) and writ
 beside the master (2 bytes, sent up as 2): 32 bytes through host memory per element instead of 36, and
 half the PCIe bytes of the CPU path.
 
-Exactness: the arithmetic is that of torch's fused CPU kernel on fp32 (its vectorised loop: the moment's
-lerp as one fused multiply-add, every other operation rounded on its own), written element by element and
-compiled without contraction; the gradient multipliers (unscale, clip) are the same fp32 multiplies the
-engine applies. ``load()`` compiles it once (torch's C++ extension builder) and then checks it bit for bit
+Exactness: the arithmetic is that of torch's fused CPU kernel on fp32 (its vectorised loop), written
+element by element and compiled without contraction but where a form says so: which multiply-adds torch's
+build fused (the moment's lerp, the second moment, the L2 term) is a property of that build, so 12 forms
+are compiled and the one that matches is kept. The gradient multipliers (unscale, clip) are the same fp32
+multiplies the engine applies. ``load()`` compiles it once (torch's C++ extension builder), then checks it bit for bit
 against torch's kernel on random data, AdamW and Adam, with and without weight decay and multipliers, at
 early and late steps; if the compiler is missing or any bit differs (another torch, another kernel), it
 returns None and says why, and the caller keeps torch's kernel.

@@ -58,8 +58,9 @@ def cpu_threads_per_rank(requested: int | None, gpu: bool = False) -> int | None
     event waits, which spin, and the training loop's kernel launches) runs beside the CPU path, and an
     OpenMP team as large as the cores then waits at every barrier for a thread the scheduler parked (one H200,
     16 threads on 16 cores: the engine's CPU path calibrated 6x below the bare kernel, three times in a row;
-    15 threads: a plan that mixes both paths, its update at the model's bound). None leaves torch's setting alone (one process per host without a GPU,
-    or a thread count already below the cores, e.g. the user's OMP_NUM_THREADS or torch.set_num_threads)."""
+    15 threads: a plan that mixes both paths, its update at the model's bound). None leaves torch's setting
+    alone (one process per host without a GPU, or a thread count already below the cores, e.g. the user's
+    OMP_NUM_THREADS or torch.set_num_threads)."""
     if requested is not None:
         if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
             raise ValueError(f"cpu_threads must be an int >= 1 or None, got {requested!r}")
