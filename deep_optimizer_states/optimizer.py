@@ -193,6 +193,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                                                                group=self.group))
         self.layout.before_host_write = _weak(self._evict_param)
         self.engine = Engine(self.device, bf16_cpu_path)
+        if bf16_cpu_path and not RankSync(self.group, self.device).everyone(self.engine.bf16_kernel is not None):
+            if self.engine.bf16_kernel is not None:
+                warnings.warn("bf16_cpu_path: the kernel did not load on another rank; every rank keeps torch's "
+                              "kernel, so that the ranks calibrate and plan alike")
+            self.engine.bf16_kernel = None
         self.residents = Residents(self.device)
         self.prefetch = Prefetch(self.device) if prefetch else None
         self._order_ahead: list | None = None  # this step's staged subgroups, in the order the update takes them

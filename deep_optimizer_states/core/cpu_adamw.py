@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import platform
 import warnings
 from typing import TYPE_CHECKING, Sequence
@@ -35,6 +36,8 @@ from .adam import AdamHyper, adam_update
 
 if TYPE_CHECKING:
     from .engine import Job
+
+log = logging.getLogger(__name__)
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -257,6 +260,7 @@ def load() -> Bf16GradAdam | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
+        log.info("bf16_cpu_path: building (or loading the built) CPU AdamW kernel; the first build takes ~30 s")
         module = load_inline(f"dos_cpu_adamw_bf16_{_cpu_tag()}", _SOURCE, extra_cflags=FLAGS,
                              extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja, a header missing: torch's kernel stays
