@@ -75,6 +75,7 @@ def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "
                 "rates": opt.planner.known_rates() and opt.planner.known_rates().as_dict(),
                 "pinned_host_GB_per_rank": opt.layout.bytes()["host"] / 1e9, "cpu_threads": torch.get_num_threads(),
                 "staging_slots": opt.plan.slots, "prefetched": u.prefetched, "speculated": u.speculated,
+                "bf16_kernel": opt.engine.bf16_kernel is not None,
                 "run_ahead": None if opt.speculation is None else {
                     "kept": opt.speculation.kept, "undone": opt.speculation.undone,
                     "called_off": opt.speculation.called_off}}

@@ -106,7 +106,7 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                     "gpu_budget_GB": (mem["gpu_budget_bytes"] or 0) / 1e9,
                     "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9, "history": history,
                     "refine_factors": opt.planner.factors, "params_written_s": u.params_written_s,
-                    "forward_wait_s": u.forward_wait_s}
+                    "forward_wait_s": u.forward_wait_s, "bf16_kernel": opt.engine.bf16_kernel is not None}
             if opt.speculation is not None:
                 spec = opt.speculation
                 info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off}
