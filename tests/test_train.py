@@ -232,3 +232,15 @@ def test_a_model_read_shard_by_shard_equals_the_saved_one_and_bad_directories_ar
         model = LlamaForCausalLM(config(2))
     with pytest.raises(FileNotFoundError, match="safetensors"):
         materialize(model, "cpu", weights=tmp_path / "bin")
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+def test_the_bf16_cpu_path_trains_the_same_losses(tmp_path):
+    """bf16 params on the CPU path, with and without --bf16-cpu-path (clipped, accumulated): the same losses."""
+    common = [*SMALL, "--dtype", "bf16", "--schedule", "cpu", "--steps", "5", "--accum", "2", "--eval-every", "0",
+              "--sample-tokens", "0", "--max-grad-norm", "0.5"]
+    for name, flag in (("plain", []), ("lean", ["--bf16-cpu-path"])):
+        dos("train", *common, *flag, "--summary-json", str(tmp_path / f"{name}.json"), cache=tmp_path)
+    plain, lean = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("plain", "lean"))
+    assert lean["losses"] == plain["losses"] and len(plain["losses"]) == 5
+    assert (plain["run"]["bf16_cpu_path"], lean["run"]["bf16_cpu_path"]) == (False, True)  # the kernel ran

@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     loop.add_argument("--speculate", action="store_true",
                       help="with --stream-grads: run the CPU path's update during backward, undone if the step "
                            "clips or skips")
+    loop.add_argument("--bf16-cpu-path", action="store_true",
+                      help="bf16 params: the CPU path's gradients down and params up in bf16, through our "
+                           "kernel (bit for bit torch's; built at first use)")
     loop.add_argument("--subgroup-size", type=positive_int, default=None,
                       help="elements (default: 1/8 of the model, <= 25M)")
     loop.add_argument("--seed", type=nonnegative_int, default=0, help="model init and data order (default 0)")

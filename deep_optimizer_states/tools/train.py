@@ -260,13 +260,13 @@ def _train(args: argparse.Namespace, device: torch.device, rank: int, world: int
                               weight_decay=args.weight_decay, subgroup_size=size, schedule=args.schedule,
                               max_grad_norm=max_norm, gpu_memory_budget=_gib(args.gpu_memory_budget),
                               stream_grads=args.stream_grads, overlap=args.overlap, prefetch=args.prefetch,
-                              speculate=args.speculate, model=model)
+                              speculate=args.speculate, bf16_cpu_path=args.bf16_cpu_path, model=model)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, steps, warmup, args.min_lr_ratio))
     run = {"model": model_name, "hidden": hidden, "layers": layers, "vocab": vocab, "seq": seq, "micro_batch": micro,
            "accum": accum, "ranks": world, "micro_batches_per_step": accum * world, "steps": steps, "lr": args.lr, "warmup": warmup, "min_lr_ratio": args.min_lr_ratio,
            "weight_decay": args.weight_decay, "max_grad_norm": max_norm or 0.0, "seed": args.seed,
-           "dtype": str(dtype), "data": data.fingerprint}
+           "dtype": str(dtype), "data": data.fingerprint, "bf16_cpu_path": opt.engine.bf16_kernel is not None}
 
     # ---- resume -------------------------------------------------------------------------------------------
     start = 0
