@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
+
 import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.reference import ReferenceAdamW
+
+# the bf16 CPU path's kernel is built at first use (core/cpu_adamw.py)
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
+                                    reason="the bf16 kernel is built with a C++ compiler and ninja")
 
 SCHEDULES = ["cpu", "gpu", 1, 2, 3, 7, "auto"]
 

@@ -1,16 +1,13 @@
 """``bf16_cpu_path``: bf16 gradients down, bf16 params up, the bf16 kernel between; bit for bit the fp32 path."""
 
-import shutil
-
 import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core import cpu_adamw
-from tests.harness import mlp, tiny_llama, train_and_compare
+from tests.harness import mlp, needs_compiler, tiny_llama, train_and_compare
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
-                                reason="the kernel is built with a C++ compiler and ninja")
+pytestmark = needs_compiler
 
 
 def _bf16_params(seed: int) -> list[torch.nn.Parameter]:

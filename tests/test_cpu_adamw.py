@@ -1,6 +1,5 @@
 """The bf16-gradient CPU AdamW kernel: bit for bit torch's fused CPU kernel, or not used at all."""
 
-import shutil
 import warnings
 
 import pytest
@@ -8,9 +7,8 @@ import torch
 
 from deep_optimizer_states.core import cpu_adamw
 from deep_optimizer_states.core.adam import AdamHyper, adam_update
+from tests.harness import needs_compiler
 
-needs_compiler = pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None,
-                                    reason="the kernel is built with a C++ compiler and ninja")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates
+from tests.harness import needs_compiler
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed support")
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
@@ -360,14 +361,14 @@ def test_a_bad_extra_is_refused_before_a_sharded_save_starts(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
-@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+@needs_compiler
 @pytest.mark.parametrize("stream", [False, True], ids=["gathered", "streamed"])
 def test_the_bf16_cpu_path_on_sharded_bf16_params(stream):
     out = torchrun(2, "bf16_path", "--steps", "5", "--schedule", "mixed", *(["--stream"] if stream else []))
     assert out.count("5 steps of the bf16 CPU path equal the fp32 path bit for bit") == 2
 
 
-@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+@needs_compiler
 def test_a_kernel_missing_on_one_rank_is_used_on_none(monkeypatch):
     """Ranks calibrate and plan in lock-step: were the kernel to build on one rank only, none takes it."""
     monkeypatch.setenv("DOS_TEST_NO_KERNEL_ON_RANK", "1")

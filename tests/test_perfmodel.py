@@ -2,7 +2,6 @@
 
 import json
 import math
-import shutil
 import warnings
 from dataclasses import replace
 from types import SimpleNamespace
@@ -24,7 +23,7 @@ from deep_optimizer_states.planning.perfmodel import (
 )
 from deep_optimizer_states.planning.plan import Planner
 from deep_optimizer_states.planning.refine import solve
-from tests.harness import mlp
+from tests.harness import mlp, needs_compiler
 
 H200_LIKE = Rates(cpu_adam=4.2e9, cpu_engine=3.8e9, cpu_contended=2.8e9, gpu_adam=120e9, h2d=55e9, d2h=55e9,
                   bidir=50e9, link=47e9, link_contended=30e9, gpu_upcast=340e9, cpu_downcast=25e9,
@@ -181,7 +180,7 @@ def test_calibration_measures_positive_rates_and_caches_them(tmp_path, monkeypat
     assert calibrate.calibrated_rates(cpu) == rates  # from the cache, not measured again
 
 
-@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+@needs_compiler
 def test_the_bf16_cpu_path_is_calibrated_apart_and_priced_at_its_bytes(tmp_path, monkeypatch):
     """Its engine moves 2 B per CPU element each way, not 4: its rates say so, are cached in a file of their
     own (the default path's stays), and a CPU-heavy placement is priced with less link work."""

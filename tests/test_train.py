@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deep_optimizer_states.tools.data import TokenData, load_text_data
+from tests.harness import needs_compiler
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--hidden", "64", "--layers", "1", "--seq", "32", "--micro-batch", "8", "--data-mb", "1",
@@ -234,7 +235,7 @@ def test_a_model_read_shard_by_shard_equals_the_saved_one_and_bad_directories_ar
         materialize(model, "cpu", weights=tmp_path / "bin")
 
 
-@pytest.mark.skipif(shutil.which("c++") is None or shutil.which("ninja") is None, reason="builds the bf16 kernel")
+@needs_compiler
 def test_the_bf16_cpu_path_trains_the_same_losses(tmp_path):
     """bf16 params on the CPU path, with and without --bf16-cpu-path (clipped, accumulated): the same losses."""
     common = [*SMALL, "--dtype", "bf16", "--schedule", "cpu", "--steps", "5", "--accum", "2", "--eval-every", "0",
