@@ -18,7 +18,7 @@ returns None and says why, and the caller keeps torch's kernel.
 
 The engine uses it with ``bf16_cpu_path=True`` (opt-in: not yet measured on a GPU machine) for CPU-placed
 subgroups of bf16 params, their gradients sent at the update or streamed during backward, and for those
-run ahead (``update_subgroup``); bench/cpu_kernel.py times it against torch's kernel.
+run ahead (``engine.bf16_update``); bench/cpu_kernel.py times it against torch's kernel.
 """
 
 from __future__ import annotations
@@ -28,14 +28,11 @@ import hashlib
 import logging
 import platform
 import warnings
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
 from .adam import AdamHyper, adam_update
-
-if TYPE_CHECKING:
-    from .engine import Job
 
 log = logging.getLogger(__name__)
 
@@ -195,23 +192,6 @@ class Bf16GradAdam:
             adam_update(param[body:], tail, exp_avg[body:], exp_avg_sq[body:], steps_done, h)
             if out is not None:
                 out[body:].copy_(param[body:])
-
-
-def update_subgroup(kernel: Bf16GradAdam, job: "Job", multipliers: Sequence[float]) -> None:
-    """The job's spans updated from the bf16 gradients in the first half of its subgroup's grad32 memory,
-    and every param of the subgroup rounded into the second half (a param without a gradient from its
-    unchanged master), ready to go up."""
-    sg = job.subgroup
-    grads, params = sg.bf16_halves()
-    master, exp_avg, exp_avg_sq = sg.master, sg.exp_avg, sg.exp_avg_sq
-    done = 0
-    for a, b, steps in job.spans():
-        if done < a:
-            params[done:a].copy_(master[done:a])
-        kernel(master[a:b], grads[a:b], exp_avg[a:b], exp_avg_sq[a:b], steps, job.hyper, multipliers, params[a:b])
-        done = b
-    if done < sg.numel:
-        params[done:].copy_(master[done:])
 
 
 def mismatch(kernel: Bf16GradAdam, sizes: Sequence[int] = (4096, 4096 + 7), seed: int = 0) -> str | None:

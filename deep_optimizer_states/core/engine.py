@@ -6,7 +6,7 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
                [params_up]  fp32 master -> GPU scratch -> cast into the model's param
                (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half, also when streamed; AdamW reading it,
-               applying the multipliers and rounding the params into the other half, ``cpu_adamw.py``;
+               applying the multipliers and rounding the params into the other half, ``bf16_update``;
                those go up)
   staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot (or nothing: the
                             states came in during backward, ``prefetch.py``)
@@ -107,6 +107,23 @@ class _Slot:
     def __init__(self, numel: int, device: torch.device) -> None:
         self.p, self.g, self.m, self.v = torch.empty(4, numel, dtype=FP32, device=device).unbind(0)
         self.free = None  # event: the slot's last flush has completed
+
+
+def bf16_update(kernel: cpu_adamw.Bf16GradAdam, job: Job, multipliers: Sequence[float]) -> None:
+    """The job's spans updated from the bf16 gradients in the first half of its subgroup's grad32 memory,
+    and every param of the subgroup rounded into the second half (a param without a gradient from its
+    unchanged master), ready to go up."""
+    sg = job.subgroup
+    grads, params = sg.bf16_halves()
+    master, exp_avg, exp_avg_sq = sg.master, sg.exp_avg, sg.exp_avg_sq
+    done = 0
+    for a, b, steps in job.spans():
+        if done < a:
+            params[done:a].copy_(master[done:a])
+        kernel(master[a:b], grads[a:b], exp_avg[a:b], exp_avg_sq[a:b], steps, job.hyper, multipliers, params[a:b])
+        done = b
+    if done < sg.numel:
+        params[done:].copy_(master[done:])
 
 
 def _grads_fp32(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None,
@@ -354,7 +371,7 @@ class Engine:
         else:
             t0 = time.perf_counter()
             if sg.index in feed.bf16:
-                cpu_adamw.update_subgroup(self.bf16_kernel, job, [float(m) for m in on_host])
+                bf16_update(self.bf16_kernel, job, [float(m) for m in on_host])
             else:
                 if sg.index in feed.streamed:  # streamed during backward, unscaled: the same fp32 multiplies
                     for m in on_host:

@@ -23,8 +23,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from .cpu_adamw import Bf16GradAdam, update_subgroup
-from .engine import Job
+from .cpu_adamw import Bf16GradAdam
+from .engine import Job, bf16_update
 from .host_memory import HostSpec, check_host_capacity, format_bytes, host_empty_many
 from .layout import Subgroup
 
@@ -135,7 +135,7 @@ def _run_ahead(ahead: _Ahead, landed: object, launch_cores: int, kernel: Bf16Gra
             dst.copy_(src)
         ahead.copied = True
         if kernel is not None and sg.bf16:  # its gradients landed in bf16; the params it rounds go up if kept
-            update_subgroup(kernel, ahead.job, ())
+            bf16_update(kernel, ahead.job, ())
         else:
             ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
     finally:
