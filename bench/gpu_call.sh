@@ -30,7 +30,8 @@ for step in "$@"; do
              --iters 5 --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) 2>&1 \
              | tee -a $R/suite.log ;;
-    gputest) timeout $left python3 -m pytest -q --tb=short -m gpu ${model:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
+    gputest) tests=${step#gputest}; tests=${tests#:}  # a pytest node id keeps its "::"
+             timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
              cat $R/gpu-tests.log ;;
     *) echo "unknown step $step" ;;
   esac
