@@ -156,3 +156,28 @@ def test_the_bf16_cpu_path_with_real_streams(schedule, mode):
     stats, cpu = opt.last_update, [sg for sg, p in zip(opt.layout.subgroups, opt.placements) if p is Placement.CPU]
     staged = sum(sg.numel for sg, p in zip(opt.layout.subgroups, opt.placements) if p is Placement.STAGED)
     assert stats.h2d_bytes == 2 * sum(sg.numel for sg in cpu) + 12 * staged
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["gathered", "streamed"])
+def test_the_bf16_cpu_path_equals_the_fp32_path_bit_for_bit_on_a_gpu(stream, device="cuda"):
+    """The same gradients into two optimizers, one with bf16_cpu_path: the GPU's up-cast, multiply and
+    rounding on one side, the kernel's on the host on the other; every param and master equal, bit for bit."""
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(1000,), (37, 13), (517,), (64, 64), (5,), (300, 7)]
+    init = [(torch.randn(s, generator=gen) * 0.1).bfloat16() for s in shapes]
+    params = {lean: [torch.nn.Parameter(t.to(device, copy=True)) for t in init] for lean in (False, True)}
+    opts = {lean: DeepOptimizerStates(params[lean], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=700,
+                                      schedule="cpu", max_grad_norm=0.05, stream_grads=stream, bf16_cpu_path=lean)
+            for lean in (False, True)}
+    assert opts[True].engine.bf16_kernel is not None
+    for step in range(6):
+        grads = [(torch.randn(s, generator=gen) * 0.1).bfloat16().to(device) for s in shapes]
+        for lean in (False, True):  # a real backward (the hooks of stream_grads run): each param's gradient is g
+            opts[lean].zero_grad()
+            sum((p.float() * g.float()).sum() for p, g in zip(params[lean], grads)).backward()
+            opts[lean].step()
+            opts[lean].synchronize()
+        for a, b in zip(params[False], params[True]):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16)), f"step {step}"
+            assert torch.equal(opts[False].master(a), opts[True].master(b)), f"step {step}"
