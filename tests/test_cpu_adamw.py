@@ -55,23 +55,27 @@ def test_ten_steps_on_views_equal_torchs_and_the_rounded_params(kernel):
     assert torch.equal(ours[0][:n], ref[0][:n])  # the other half untouched
 
 
-def test_a_failed_build_keeps_torchs_kernel(monkeypatch):
+@pytest.fixture
+def fresh_load():
+    """load() runs again here, and the kernel built for the other tests is found again after."""
+    cpu_adamw.load.cache_clear()
+    yield cpu_adamw.load
+    cpu_adamw.load.cache_clear()
+
+
+def test_a_failed_build_keeps_torchs_kernel(monkeypatch, fresh_load):
     import torch.utils.cpp_extension as ext
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(ext, "load_inline", broken)
-    cpu_adamw.load.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="did not build .*no compiler here.*torch's fused kernel is used"):
-            assert cpu_adamw.load() is None
-    finally:
-        cpu_adamw.load.cache_clear()
+    with pytest.warns(UserWarning, match="did not build .*no compiler here.*torch's fused kernel is used"):
+        assert fresh_load() is None
 
 
 @needs_compiler
-def test_a_kernel_that_differs_is_not_used(monkeypatch, kernel):
+def test_a_kernel_that_differs_is_not_used(monkeypatch, kernel, fresh_load):
     """Were torch's kernel to round differently (another version), no form matches and load() says so."""
     real = cpu_adamw.adam_update
 
@@ -80,9 +84,5 @@ def test_a_kernel_that_differs_is_not_used(monkeypatch, kernel):
         param.view(torch.int32).add_(1)  # one ulp off everywhere
 
     monkeypatch.setattr(cpu_adamw, "adam_update", shifted)
-    cpu_adamw.load.cache_clear()
-    try:
-        with pytest.warns(UserWarning, match="does not match torch's kernel here in any of its 12 forms"):
-            assert cpu_adamw.load() is None
-    finally:
-        cpu_adamw.load.cache_clear()
+    with pytest.warns(UserWarning, match="does not match torch's kernel here in any of its 12 forms"):
+        assert fresh_load() is None

@@ -147,13 +147,11 @@ def _head_pair(make, subgroup_size: int, schedule="cpu"):
     return model, ours, twin, ref
 
 
-def _head_waited_for(model, ours, twin, ref, compiled=False, seed=1, steps=5) -> None:
-    """Ours to the end first (its forward meets each update running), then the twin: the same losses,
-    states and params, and the head's subgroups written first."""
-    head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
+def _losses_of_both(pairs, seed: int, steps: int) -> list[list[torch.Tensor]]:
+    """Each (forward, optimizer) pair trained ``steps`` steps on the same batches, ours to the end first
+    (its forward meets each update running), then the twin: each one's losses."""
     losses = []
-    for m, o in ((model, ours), (twin, ref)):
-        call = torch.compile(m, backend="aot_eager") if compiled else m
+    for call, o in pairs:
         gen, run = torch.Generator().manual_seed(seed), []
         for _ in range(steps):
             o.zero_grad()
@@ -162,7 +160,14 @@ def _head_waited_for(model, ours, twin, ref, compiled=False, seed=1, steps=5) ->
             loss.backward()
             o.step()
         losses.append(run)
-    for step, (a, b) in enumerate(zip(*losses)):
+    return losses
+
+
+def _head_waited_for(model, ours, twin, ref, compiled=False, seed=1, steps=5) -> None:
+    """The same losses, states and params for ours and the twin, and the head's subgroups written first."""
+    head = {sg.index for p in model.head.parameters() for sg in ours.layout.subgroups_of(*ours.layout.where[id(p)])}
+    pairs = [(torch.compile(m, backend="aot_eager") if compiled else m, o) for m, o in ((model, ours), (twin, ref))]
+    for step, (a, b) in enumerate(zip(*_losses_of_both(pairs, seed, steps))):
         assert torch.equal(a, b), f"step {step}: the forward read the head before the update wrote it"
     _assert_same(model, ours, twin, ref)
     assert sorted(ours._need_order, key=ours._need_order.get)[: len(head)] == sorted(head), "written first"
@@ -615,18 +620,9 @@ def test_a_loop_that_calls_only_a_part_of_the_model_stays_exact_and_is_told(slow
             model.inner(torch.randn(8, 17))  # raises inside the forward: nothing learned
         with pytest.raises(NotImplementedError):
             model(torch.randn(8, 16))  # the model itself has no forward: its first forward raises
-    losses = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for m, o in ((model, ours), (twin, ref)):
-            gen, run = torch.Generator().manual_seed(1), []
-            for _ in range(5):
-                o.zero_grad()
-                loss = m.inner(torch.randn(8, 16, generator=gen))
-                run.append(loss.detach().clone())
-                loss.backward()
-                o.step()
-            losses.append(run)
+        losses = _losses_of_both([(model.inner, ours), (twin.inner, ref)], seed=1, steps=5)
     for step, (a, b) in enumerate(zip(*losses)):
         assert torch.equal(a, b), f"step {step}: the part read the head before the update wrote it"
     _assert_same(model, ours, twin, ref)
