@@ -77,7 +77,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
 
-        history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update
+        history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update and
+        # where its time went (CPU AdamW, the staged window, each lane's busy seconds)
 
         def step():
             opt.step()
@@ -91,7 +92,10 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                             else round(u.params_written_s, 4),
                             "forward_wait_s": None if u is None or u.forward_wait_s is None
                             else round(u.forward_wait_s, 4), "prefetched": None if u is None else u.prefetched,
-                            "speculated": None if u is None else u.speculated})
+                            "speculated": None if u is None else u.speculated,
+                            "cpu_adam_s": None if u is None else round(u.cpu_adam_seconds, 4),
+                            "staged_window_s": None if u is None else round(u.staged_window_s, 4),
+                            "lanes_busy_s": None if u is None else {k: round(v, 4) for k, v in u.lane_seconds.items()}})
 
         def extra() -> dict:
             opt.synchronize()  # with overlap, the last update may still run
