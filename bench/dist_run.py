@@ -42,6 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from bench.free_loop import free_running
 from bench.run_system import RESULT, _host_peak_gb, _is_oom, batch
 from deep_optimizer_states.tools.models import PRESETS, llama, materialize
 
@@ -191,38 +192,23 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         ids = batch(micro_batch, seq, vocab, device)
         phases, losses = [], []
 
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
         def iteration() -> None:
             loss, fwd = _phase(device, lambda: forward(ids))
             _, bwd = _phase(device, lambda: backward(loss))
-
-            def step():
-                opt.step()
-                opt.zero_grad()
-
             _, upd = _phase(device, step)
             losses.append(loss.item())
             phases.append((fwd, bwd, upd))
 
         for _ in range(warmup + iters):
             iteration()
-        walls = []
         torch.cuda.synchronize(device)
         dist.barrier()
-        last = time.perf_counter()
-        # as a training loop runs: no synchronize but the loss read. One more than counted: the first starts
-        # after a synchronize, which lets an update left running past step() (overlap) get ahead before the
-        # clock starts, so it is shorter than the others (rows before 2026-11-30's thirteenth session counted
-        # it: a median of 3 walls was then the faster of the 2 real ones)
-        for _ in range(iters + 1):
-            loss = forward(ids)
-            backward(loss)
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            now = time.perf_counter()
-            walls.append(now - last)
-            last = now
-        first_wall, walls = walls[0], walls[1:]
+        first_wall, walls, splits, more = free_running(lambda: forward(ids), backward, step, iters)
+        losses += more
         measured = sorted(phases[warmup:], key=sum)
         fwd, bwd, step_s = measured[len(measured) // 2]
         peak = _gathered(torch.cuda.max_memory_allocated(device) / 1e9)
@@ -230,7 +216,7 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         update_s = info.get("update_s") or step_s  # ours: the engine's own time (a step may return before it)
         row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
                    iter_s=round(max(_gathered(statistics.median(walls))), 4), iter_walls_s=[round(w, 4) for w in walls],
-                   first_wall_s=round(first_wall, 4),
+                   first_wall_s=round(first_wall, 4), walls_split_s=splits,
                    iter_phases_s=round(fwd + bwd + step_s, 4),
                    aggregate_update_Gparams_per_s=round(params / update_s / 1e9, 3), losses=list(losses),
                    peak_gpu_GB_per_rank=round(max(peak), 2), **info)

@@ -21,6 +21,7 @@ import traceback
 
 import torch
 
+from bench.free_loop import free_running
 from bench.systems import OURS, SYSTEMS
 from deep_optimizer_states.tools.models import PRESETS
 
@@ -101,29 +102,17 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
             _, upd = _timed(device, trainer.step)
             losses.append(loss.item())
             phases.append((fwd, bwd, upd))
-        walls = []
         _sync(device)
-        last = time.perf_counter()
-        # as a training loop runs: no synchronize but the loss read. One more than counted: the first starts
-        # after a synchronize, which lets an update left running past step() (overlap) get ahead before the
-        # clock starts, so it is shorter than the others (rows before 2026-11-30's thirteenth session counted
-        # it in the median)
-        for _ in range(iters + 1):
-            loss = trainer.forward(ids)
-            trainer.backward(loss)
-            trainer.step()
-            losses.append(loss.item())
-            now = time.perf_counter()
-            walls.append(now - last)
-            last = now
-        first_wall, walls = walls[0], walls[1:]
+        first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
+                                                       trainer.step, iters)
+        losses += more
         measured = sorted(phases[warmup:], key=sum)
         fwd, bwd, step_s = measured[len(measured) // 2]
         extra = trainer.extra()
         update_s = extra.get("update_s") or step_s  # ours: the engine's own time (a step may return before it)
         row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
                    iter_s=round(statistics.median(walls), 4), iter_walls_s=[round(w, 4) for w in walls],
-                   first_wall_s=round(first_wall, 4),
+                   first_wall_s=round(first_wall, 4), walls_split_s=splits,
                    iter_phases_s=round(fwd + bwd + step_s, 4),
                    update_Gparams_per_s=round(trainer.params / update_s / 1e9, 3), losses=losses,
                    peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench import dist_estimate, report, run_system, suite
+from bench.free_loop import PARTS
 from bench.systems import REFERENCE
 
 
@@ -131,6 +132,9 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     assert row["status"] == "ok", row.get("traceback")
     assert len(row["losses"]) == 1 + 2 + (2 + 1) and row["step_s"] > 0 and len(row["iter_walls_s"]) == 2  # + first wall
     assert row["losses"][-1] < row["losses"][0]  # one batch, learnt: the loss check has something to see
+    # each counted wall split into the host's seconds per call, adding up to it
+    assert [sorted(split) for split in row["walls_split_s"]] == [sorted(PARTS)] * 2
+    assert all(abs(sum(split.values()) - wall) < 1e-3 for split, wall in zip(row["walls_split_s"], row["iter_walls_s"]))
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
 
