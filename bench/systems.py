@@ -258,6 +258,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                   bf16_cpu_path=True),
     "ours_offload_overlap_spec_bf16": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                            bf16_cpu_path=True),
+    # both halves of the update begun during backward: the CPU path's AdamW and the staged states' way in
+    "ours_offload_overlap_spec_prefetch": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                               prefetch=True),
+    "ours_offload_overlap_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                    prefetch=True, bf16_cpu_path=True),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),

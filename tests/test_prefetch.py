@@ -16,7 +16,7 @@ from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states.core.engine import SLOT_BYTES_PER_ELEMENT as SLOT_BYTES
 from deep_optimizer_states.planning.budget import MemoryBudget
 from deep_optimizer_states.planning.plan import Planner
-from tests.harness import loss_of, mlp, tiny_llama
+from tests.harness import loss_of, mlp, needs_compiler, tiny_llama
 from tests.test_perfmodel import H200_LIKE
 from tests.test_residency import FakeProbe
 
@@ -64,9 +64,13 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("kwargs", [{}, {"max_grad_norm": 0.5}, {"schedule": "gpu"}],
-                         ids=["mixed", "clipped", "all-staged"])
+@pytest.mark.parametrize("kwargs", [{}, {"max_grad_norm": 0.5}, {"schedule": "gpu"}, {"speculate": True},
+                                    pytest.param({"speculate": True, "bf16_cpu_path": True, "max_grad_norm": 0.5},
+                                                 marks=needs_compiler)],
+                         ids=["mixed", "clipped", "all-staged", "speculate", "speculate+bf16+clipped"])
 def test_states_filled_ahead_give_the_same_result_bit_for_bit(overlap, kwargs):
+    """Also beside the CPU path's update run ahead (``speculate``, with the bf16 CPU path): both during
+    backward, the staged subgroups' states in, the CPU subgroups' AdamW on the worker."""
     runs = []
     for prefetch in (False, True):
         model, opt = _build(prefetch, "llama", overlap=overlap, **kwargs)
@@ -74,6 +78,8 @@ def test_states_filled_ahead_give_the_same_result_bit_for_bit(overlap, kwargs):
         staged = opt.placements.count(Placement.STAGED)
         runs.append(_masters(model, opt))
     assert staged and filled == [staged] * 6, "every staged subgroup filled ahead, at every step"
+    if kwargs.get("speculate"):
+        assert opt.speculation.kept + opt.speculation.undone > 0, "the CPU path ran ahead too"
     _assert_same(*runs)
 
 
