@@ -16,7 +16,7 @@ against torch's kernel on random data, AdamW and Adam, with and without weight d
 early and late steps; if the compiler is missing or any bit differs (another torch, another kernel), it
 returns None and says why, and the caller keeps torch's kernel.
 
-The engine uses it with ``bf16_cpu_path=True`` (opt-in: not yet measured on a GPU machine) for CPU-placed
+The engine uses it with ``bf16_cpu_path=True`` (opt-in: docs/design.md item 15 says when it pays) for CPU-placed
 subgroups of bf16 params, their gradients sent at the update or streamed during backward, and for those
 run ahead (``engine.bf16_update``); bench/cpu_kernel.py times it against torch's kernel.
 """
