@@ -57,7 +57,7 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
          spare_cores: int = 0, checkpointing: bool = False,
          path_threads: int | None = None, prefetch: bool = False,
-         speculate: bool = False, bf16_cpu_path: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+         speculate: bool | int = False, bf16_cpu_path: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -263,6 +263,10 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                prefetch=True),
     "ours_offload_overlap_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                     prefetch=True, bf16_cpu_path=True),
+    # 32 spares instead of 16 (12 B per element each, pageable): more CPU work can run ahead, and the plan
+    # (which prices what ran ahead) can give the CPU more
+    "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,
+                                             bf16_cpu_path=True),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),

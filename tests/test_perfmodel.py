@@ -134,6 +134,45 @@ def test_choice_beside_residents_is_the_best_spread_counting_their_gpu_time(resi
         assert chosen.staged < choose(tail, rates)[1].staged
 
 
+def test_a_head_start_on_the_cpu_moves_work_to_it_and_is_priced_as_chosen():
+    """With CPU work done during backward (``speculate``), the best spread stages fewer subgroups; the
+    vectorised choice equals the brute-force minimum over every spread with the same head start."""
+    sizes = equal(60)
+    before, plain = choose(sizes, H200_LIKE)
+    ahead = 12 * 25e6
+    places, chosen = choose(sizes, H200_LIKE, ahead=ahead)
+    brute = min(predict(sizes, spread(60, s), H200_LIKE, 2, ahead).seconds for s in range(61))
+    assert chosen.seconds == pytest.approx(brute, rel=1e-12)
+    assert predict(sizes, places, H200_LIKE, 2, ahead).seconds == pytest.approx(chosen.seconds, rel=1e-12)
+    assert chosen.staged < plain.staged and chosen.seconds < plain.seconds
+    # a head start never makes an update longer, and beyond the CPU's work it leaves the link's
+    assert all(predict(sizes, spread(60, s), H200_LIKE, 2, ahead).seconds
+               <= predict(sizes, spread(60, s), H200_LIKE, 2).seconds for s in range(61))
+    everything = predict(sizes, spread(60, 30), H200_LIKE, 2, ahead=sum(sizes))
+    assert everything.cpu_s == 0 and everything.link_s > 0
+
+
+def test_the_planner_prices_the_head_start_that_updates_kept(monkeypatch):
+    """Updates that kept CPU work done during backward teach the plan its head start (their median, the
+    first update ignored) and "auto" plans again for it; updates without speculation leave it at 0."""
+    sizes = equal(60)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    first = planner.plan("auto")
+    for kept in (0, 10, 12, 12, 11):  # the first update teaches nothing
+        planner.observe(_telemetry(planner.current.placements, 0.1, speculated_elements=int(kept * 25e6)),
+                        overlapped=True)
+    assert planner.ahead == 11.5 * 25e6
+    again = planner.refresh()
+    assert again.placements == choose(sizes, planner.rates, 2, ahead=planner.ahead)[0]
+    assert again.prediction.staged < first.prediction.staged
+    assert planner.factors == {"cpu_engine": 1.0, "cpu_contended": 1.0, "link_contended": 1.0}  # no rate learnt
+    still = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    plan = still.plan("auto")
+    for _ in range(4):
+        still.observe(_telemetry(still.current.placements, 0.1), overlapped=True)
+    assert still.ahead == 0 and still.refresh() is plan
+
+
 def test_lower_bound_is_below_every_plan():
     sizes = equal(55)
     bound, fraction = lower_bound(sum(sizes), H200_LIKE)
@@ -265,11 +304,12 @@ def _cuda_planner(monkeypatch, sizes, rates):
     return planner
 
 
-def _telemetry(places, cpu_adam_seconds, seconds=1.0, prefetched=0):
+def _telemetry(places, cpu_adam_seconds, seconds=1.0, prefetched=0, speculated_elements=0):
     """What the planner reads of an update that ran ``places``."""
     staged = places.count(Placement.STAGED)
     return SimpleNamespace(seconds=seconds, cpu_adam_seconds=cpu_adam_seconds, staged_subgroups=staged,
-                           cpu_subgroups=len(places) - staged, prefetched=prefetched, speculated=0)
+                           cpu_subgroups=len(places) - staged, prefetched=prefetched,
+                           speculated=int(speculated_elements > 0), speculated_elements=speculated_elements)
 
 
 def _run(planner, sizes, truth, updates=5):
@@ -451,5 +491,6 @@ def test_link_rate_is_not_learned_from_updates_with_residents(monkeypatch):
         real = predict(sizes, places, H200_LIKE, 2)
         planner.observe(SimpleNamespace(seconds=real.seconds + 0.015, cpu_adam_seconds=real.cpu_s,
                                         staged_subgroups=places.count(Placement.STAGED),
-                                        cpu_subgroups=places.count(Placement.CPU), prefetched=0, speculated=0))
+                                        cpu_subgroups=places.count(Placement.CPU), prefetched=0, speculated=0,
+                                        speculated_elements=0))
     assert planner.factors["link_contended"] == 1.0

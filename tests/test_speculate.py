@@ -51,10 +51,13 @@ def test_updates_run_ahead_are_kept_and_equal_the_plain_step_bit_for_bit(schedul
     for step in range(5):
         _backward([(m1, o1), (m2, o2)], gens, micro=2 if step == 3 else 1)
         assert len(o1.speculation) == ahead, "CPU subgroups ran ahead during backward, one per spare"
+        ran = sum(o1.layout.subgroups[i].numel for i in o1.speculation._ahead)
         o1.step()
         o2.step()
         _same(o1, m1, o2, m2, f"step {step}")
         assert o1.last_update.speculated == ahead
+        o1.synchronize()  # the update's stats are final once it ended (overlap)
+        assert o1.last_update.speculated_elements == ran > 0  # the head start the plan prices
     assert o1.speculation.kept == 5 * ahead and o1.speculation.undone == 0
 
 

@@ -99,6 +99,7 @@ class UpdateStats:
     forward_wait_s: float | None = None  # overlap: how long the caller was blocked waiting for those writes
     prefetched: int = 0  # staged subgroups whose states came in during backward (their slots filled ahead)
     speculated: int = 0  # CPU subgroups whose AdamW ran during backward and was kept (only their params went up)
+    speculated_elements: int = 0  # their elements: the CPU work done before the update began
 
 
 class _Slot:
@@ -306,6 +307,7 @@ class Engine:
         stats.admitted, stats.timeline = len(fresh), timeline
         stats.prefetched = sum(j.placement is Placement.STAGED and j.subgroup.index in ahead for j in jobs)
         stats.speculated = sum(j.ran_ahead is not None for j in jobs)
+        stats.speculated_elements = sum(j.subgroup.numel for j in jobs if j.ran_ahead is not None)
         stats.fallbacks = fallbacks + staged_planned - stats.staged_subgroups
         return stats
 

@@ -19,6 +19,11 @@ cost per CPU subgroup are added on top.
 With equal subgroups and no residents this reduces to the paper's stride rule: staging one subgroup in k
 balances when (k - 1) CPU updates take as long as one staged subgroup's transfer,
 k* = 1 + t_link / t_cpu (``stride_formula``).
+
+With ``speculate`` the CPU path's AdamW of some subgroups runs during backward and is kept: ``ahead``
+elements of CPU work done before the update starts (what recent updates kept, ``plan.Planner``). The CPU
+path then has that much less to do beside the link, so the balance moves towards the CPU; its transfers
+and per-subgroup costs are still priced (conservatively: their params still go up in the update).
 """
 
 from __future__ import annotations
@@ -128,16 +133,18 @@ def fills(sizes: Sequence[float], places: Sequence[Placement], r: Rates) -> tupl
     return _fills(counts(sizes, places), r)
 
 
-def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots: int = 2) -> Prediction:
-    """Predicted update time for subgroups of ``sizes`` elements placed as ``places``."""
-    return price(counts(sizes, places), r, slots)
+def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots: int = 2,
+            ahead: float = 0.0) -> Prediction:
+    """Predicted update time for subgroups of ``sizes`` elements placed as ``places``, ``ahead`` elements of
+    CPU AdamW done during backward."""
+    return price(counts(sizes, places), r, slots, ahead)
 
 
-def price(k: Counts, r: Rates, slots: int = 2) -> Prediction:
+def price(k: Counts, r: Rates, slots: int = 2, ahead: float = 0.0) -> Prediction:
     """Predicted update time of a placement given by its ``Counts``: constant time in the subgroup count."""
-    c, s, resident = k.cpu_sum, k.staged_sum, k.resident_sum
+    c, s, resident = max(0.0, k.cpu_sum - ahead), k.staged_sum, k.resident_sum
     turns = 1 if slots > 1 else 2  # one slot: the way in and the way back take turns
-    link_work = STAGED_BYTES * s + r.cpu_path_bytes * c  # bytes per direction
+    link_work = STAGED_BYTES * s + r.cpu_path_bytes * k.cpu_sum  # bytes per direction
     if s:
         cpu_body, link_body = _two_phases(c, r.cpu_contended, r.cpu_engine,
                                           link_work, r.link_contended / turns, r.link / turns)
@@ -153,17 +160,19 @@ def price(k: Counts, r: Rates, slots: int = 2) -> Prediction:
                       max(busy, key=busy.get), k.staged, k.cpu, k.resident)
 
 
-def choose(sizes: Sequence[int], r: Rates, slots: int = 2, resident: int = 0) -> tuple[list[Placement], Prediction]:
+def choose(sizes: Sequence[int], r: Rates, slots: int = 2, resident: int = 0,
+           ahead: float = 0.0) -> tuple[list[Placement], Prediction]:
     """The placement with the least predicted time over every count of staged subgroups, spread evenly,
-    beside ``resident`` elements updated resident (their GPU time counts, they are not placed here).
+    beside ``resident`` elements updated resident (their GPU time counts, they are not placed here), with
+    ``ahead`` elements of CPU AdamW done during backward.
 
     Every count is priced at once from its sums and end subgroups (``_times_by_count``): a few vector
     operations over the counts instead of a placement list per count. The winner (the smallest count among
     equal times) gets the same prediction as ``predict`` gives its placement with the residents.
     """
     table = torch.tensor(sizes, dtype=torch.int64)
-    staged = int(torch.argmin(_times_by_count(table, r, slots, resident)))
-    return spread(len(sizes), staged), price(_spread_counts(table, staged, resident), r, slots)
+    staged = int(torch.argmin(_times_by_count(table, r, slots, resident, ahead)))
+    return spread(len(sizes), staged), price(_spread_counts(table, staged, resident), r, slots, ahead)
 
 
 def _marks_below(table: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -194,16 +203,17 @@ def _spread_counts(table: torch.Tensor, staged: int, resident: int = 0) -> Count
                   first, last)
 
 
-def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0) -> torch.Tensor:
-    """``price(_spread_counts(table, s), r, slots).seconds`` for every s in 0..count, in float64 with the same
+def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0,
+                    ahead: float = 0.0) -> torch.Tensor:
+    """``price(_spread_counts(table, s), r, slots, ahead).seconds`` for every s in 0..count, in float64 with the same
     operations in the same order as ``price``, so the times are identical. With s in 1..count-1, the first
     staged subgroup is 0, the last one (s - 1) * count // s, the first on the CPU ceil(s / (count - s)) and
     the last on the CPU count - 1."""
     count = len(table)
     f64 = torch.float64
     out = torch.empty(count + 1, dtype=f64)
-    out[0] = price(_spread_counts(table, 0, resident), r, slots).seconds
-    out[count] = price(_spread_counts(table, count, resident), r, slots).seconds
+    out[0] = price(_spread_counts(table, 0, resident), r, slots, ahead).seconds
+    out[count] = price(_spread_counts(table, count, resident), r, slots, ahead).seconds
     if count == 1:
         return out
     s = torch.arange(1, count, dtype=torch.int64)  # the mixes: at least one subgroup on each path
@@ -212,7 +222,7 @@ def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0
     cpu_sum = total - staged_sum
     first_cpu = table[(s + (count - s) - 1) // (count - s)].to(f64)
     last_staged = table[((s - 1) * count) // s].to(f64)
-    c, st = cpu_sum.to(f64), staged_sum.to(f64)
+    c, st = torch.clamp(cpu_sum.to(f64) - ahead, min=0.0), staged_sum.to(f64)
     turns = 1 if slots > 1 else 2
     link_work = (STAGED_BYTES * staged_sum + r.cpu_path_bytes * cpu_sum).to(f64)
     rate_b, alone_b = r.link_contended / turns, r.link / turns

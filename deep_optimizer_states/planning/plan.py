@@ -9,12 +9,18 @@ memory) is never run while the optimizer is built: a stored calibration is used 
 first ``refresh`` (the first step) or at an explicit ``calibrate()``; a plan with every subgroup resident
 needs no calibration. Without a GPU, staging means nothing, so "auto" keeps half of the subgroups on each
 path (both run) and never calibrates.
+
+With ``speculate`` part of the CPU path's work is done during backward; the plan prices that head start
+(``perfmodel.price``'s ``ahead``: the median of what recent updates kept) and moves work to the CPU for it,
+planning again when it moves by more than REPLAN_AHEAD of all elements.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
@@ -35,6 +41,8 @@ log = logging.getLogger(__name__)
 SCRATCH_BYTES_PER_ELEMENT = 8  # the CPU path's fp32 grad and param scratch
 RESIDENT_SCRATCH_BYTES_PER_ELEMENT = 4  # the residents' fp32 grad buffer
 REPLAN_CHANGE = 0.02  # "auto" plans again when a refined rate moved by more than this since the last plan
+AHEAD_WINDOW = 5  # recent updates whose median of CPU elements kept from speculation is the head start
+REPLAN_AHEAD = 0.02  # ... and plans again when that head start moved by more than this share of all elements
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,8 @@ class Planner:
         self.refiner = Refiner()
         self._observed = 0
         self._planned_factors = self.refiner.factors()
+        self._ahead_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # CPU elements each update found done ahead
+        self._planned_ahead = 0.0
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
         self.current: Plan | None = None
@@ -130,6 +140,12 @@ class Planner:
         return self._pending
 
     @property
+    def ahead(self) -> float:
+        """CPU AdamW elements the next update should find done during backward (``speculate``): the median
+        of what recent updates kept; 0 without speculation."""
+        return float(statistics.median(self._ahead_seen)) if self._ahead_seen else 0.0
+
+    @property
     def factors(self) -> dict[str, float]:
         """What real updates showed of each refined rate, as a factor on the calibrated one."""
         return self.refiner.factors()
@@ -154,6 +170,8 @@ class Planner:
         (``prefetch``): the model prices every staged subgroup's way in inside the update, nor one whose CPU
         subgroups were updated during backward (``speculate``)."""
         self._observed += 1
+        if self._observed > 1:
+            self._ahead_seen.append(stats.speculated_elements)
         if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched or stats.speculated:
             return
         if self._calibrated is None:
@@ -188,13 +206,14 @@ class Planner:
                 if self._calibrated is None:
                     tail, pending = placements(self.provisional, rest), True
                 else:
-                    tail = choose(self.sizes[self._want:], self.rates, slots, sum(self.sizes[: self._want]))[0]
+                    tail = choose(self.sizes[self._want:], self.rates, slots, sum(self.sizes[: self._want]),
+                                  self.ahead)[0]
             places = [Placement.RESIDENT] * self._want + tail
         rates = self.known_rates()
-        pred = predict(self.sizes, places, rates, max(slots, 1)) if rates and not pending else None
+        pred = predict(self.sizes, places, rates, max(slots, 1), self.ahead) if rates and not pending else None
         self.current = Plan(schedule, places, slots, pred)
         self._pending = pending
-        self._planned_factors = self.factors
+        self._planned_factors, self._planned_ahead = self.factors, self.ahead
         return self.current
 
     def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0) -> Plan:
@@ -209,7 +228,8 @@ class Planner:
             return self.current
         self._held = resident_bytes
         now = self.factors
-        moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now)
+        moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now) or \
+            abs(self.ahead - self._planned_ahead) > REPLAN_AHEAD * sum(self.sizes)
         residents = self.current.placements.count(Placement.RESIDENT)
         fit = self.residents_that_fit() if schedule == "auto" else 0
         if self._pending or moved or fit != residents:
