@@ -34,6 +34,7 @@ class _Recorded:
     staged_subgroups: int
     prefetched: int = 0  # the recorded updates ran without prefetch
     speculated: int = 0  # ... and without speculate
+    speculated_elements: int = 0
 
 
 def replay(rows: list[dict], updates_per_schedule: int = 7, probe: str | None = None) -> list[dict]:
