@@ -1,6 +1,12 @@
 """The bf16-gradient CPU AdamW kernel against torch's fused CPU kernel: elements/s on this host, one JSON line.
 
-    python3 -m bench.cpu_kernel [--numel 25000000] [--threads 1,2]
+    python3 -m bench.cpu_kernel [--numel 25000000] [--threads 1,2] [--dma]
+
+The kernels are timed in turns (one call of each per round, the median of 7 rounds), so a host whose
+speed drifts slows them alike. ``--dma`` (a GPU machine) times them again while pinned copies run both
+ways over PCIe without pause, as the staged subgroups' copies run beside the CPU path in an update: on
+the H200 the engine's bf16 kernel ran at 1.3x torch's time per element there and not during backward
+(docs/benchmarks/overlap.md, call 16), which this isolates.
 
 torch's kernel reads fp32 gradients (28 B per element through host memory: p, g, m, v read, p, m, v
 written); ours reads bf16 ones (26 B), and with a clip multiplier and the rounded bf16 params written
@@ -13,7 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -21,14 +29,48 @@ from deep_optimizer_states.core import cpu_adamw
 from deep_optimizer_states.core.adam import AdamHyper, adam_update
 
 
-def _rate(fn, numel: int, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def rates_in_turns(fns: dict[str, Callable[[], object]], numel: int, rounds: int = 7) -> dict[str, float]:
+    """G elements/s of each function, timed in turns: one call of each per round, the median of ``rounds``."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return numel / statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: numel / statistics.median(t) / 1e9 for name, t in times.items()}
+
+
+class PinnedTraffic:
+    """Pinned copies host -> GPU and GPU -> host on two streams, again and again until stopped: the PCIe
+    traffic that shares host memory with the CPU path during an update."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.host_in, self.host_out = (torch.empty(numel, pin_memory=True) for _ in range(2))
+        self.dev_in, self.dev_out = (torch.empty(numel, device=device) for _ in range(2))
+        self.up, self.down = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with torch.cuda.stream(self.up):
+                self.dev_in.copy_(self.host_in, non_blocking=True)
+            with torch.cuda.stream(self.down):
+                self.host_out.copy_(self.dev_out, non_blocking=True)
+            self.up.synchronize()
+            self.down.synchronize()
+            self.rounds += 1
+
+    def __enter__(self) -> "PinnedTraffic":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def cpu_name() -> str:
@@ -43,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--threads", default=str(torch.get_num_threads()))
+    parser.add_argument("--dma", action="store_true", help="also time the kernels beside pinned PCIe copies (a GPU)")
     args = parser.parse_args(argv)
+    if args.dma and not torch.cuda.is_available():
+        print(json.dumps({"status": "--dma needs a GPU"}))
+        return 1
     kernel = cpu_adamw.load()
     if kernel is None:
         print(json.dumps({"status": "kernel not available (see the warning)"}))
@@ -53,17 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     g32 = torch.randn(n) * 1e-3
     g16, out = g32.bfloat16(), torch.empty(n, dtype=torch.bfloat16)
     clip = torch.tensor(0.5)
+    fns = {"torch_fp32_grads": lambda: adam_update(p, g32, m, v, 5, h),
+           "torch_fp32_grads_with_clip_multiply": lambda: (g32.mul_(clip), adam_update(p, g32, m, v, 5, h)),
+           "ours_bf16_grads": lambda: kernel(p, g16, m, v, 5, h),
+           "ours_bf16_grads_clip_bf16_params": lambda: kernel(p, g16, m, v, 5, h, (0.5,), out)}
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         row = {"date": time.strftime("%Y-%m-%d"), "numel": n, "threads": threads, "cpu": cpu_name(),
-               "torch": torch.__version__,
-               "equal_bit_for_bit": cpu_adamw.mismatch(kernel, seed=threads) is None,
-               "torch_fp32_grads_G_per_s": _rate(lambda: adam_update(p, g32, m, v, 5, h), n) / 1e9,
-               "torch_fp32_grads_with_clip_multiply_G_per_s":
-                   _rate(lambda: (g32.mul_(clip), adam_update(p, g32, m, v, 5, h)), n) / 1e9,
-               "ours_bf16_grads_G_per_s": _rate(lambda: kernel(p, g16, m, v, 5, h), n) / 1e9,
-               "ours_bf16_grads_clip_bf16_params_G_per_s":
-                   _rate(lambda: kernel(p, g16, m, v, 5, h, (0.5,), out), n) / 1e9}
+               "torch": torch.__version__, "timing": "in turns, median of 7 rounds",
+               "equal_bit_for_bit": cpu_adamw.mismatch(kernel, seed=threads) is None}
+        row.update({f"{name}_G_per_s": rate for name, rate in rates_in_turns(fns, n).items()})
+        if args.dma:
+            with PinnedTraffic(n, torch.device("cuda")) as traffic:
+                start = time.perf_counter()
+                beside = rates_in_turns(fns, n)
+                seconds = time.perf_counter() - start
+            row.update({f"beside_dma_{name}_G_per_s": rate for name, rate in beside.items()})
+            row["dma_GB_per_s_each_way"] = traffic.rounds * 4 * n / seconds / 1e9
         print(json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()}))
     return 0
 

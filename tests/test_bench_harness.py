@@ -9,6 +9,7 @@ import torch
 from bench import dist_estimate, report, run_system, suite
 from bench.free_loop import PARTS
 from bench.systems import REFERENCE
+from tests.harness import needs_compiler
 
 
 def test_budgets_are_parsed_and_checked():
@@ -256,3 +257,17 @@ def test_a_distributed_run_is_estimated_from_its_newest_finished_row(capsys, mon
     assert capsys.readouterr().out.strip() == "0", "unknown: the script starts it"
     dist_estimate.main(["deepspeed", "10b", "2", "1", "3", "cpu,gpu"])  # the sweep as dist_call.sh passes it
     assert int(capsys.readouterr().out) == round(seconds + 2 * 3 * 7.5)
+
+
+@needs_compiler
+def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cannot_run(capsys):
+    from bench import cpu_kernel
+
+    assert cpu_kernel.main(["--numel", "4096", "--threads", "1"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["equal_bit_for_bit"] and row["threads"] == 1
+    assert all(row[f"{name}_G_per_s"] > 0 for name in ("torch_fp32_grads", "ours_bf16_grads",
+                                                        "ours_bf16_grads_clip_bf16_params"))
+    if not torch.cuda.is_available():
+        assert cpu_kernel.main(["--numel", "4096", "--dma"]) == 1
+        assert "needs a GPU" in capsys.readouterr().out
