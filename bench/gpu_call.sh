@@ -5,6 +5,8 @@
 #
 #   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
 #                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest[:PATH]
+#                                        | kernel[:THREADS] (bench/cpu_kernel.py --dma: the CPU AdamW kernels
+#                                          beside pinned PCIe copies; THREADS default: cores - 1)
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 set -u
@@ -33,6 +35,8 @@ for step in "$@"; do
     gputest) tests=${step#gputest}; tests=${tests#:}  # a pytest node id keeps its "::"
              timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
              cat $R/gpu-tests.log ;;
+    kernel) timeout $left python3 -m bench.cpu_kernel --threads "${model:-$(($(nproc) - 1))}" --dma 2>&1 \
+              | tee -a $R/cpu-kernel.log | grep '^{' >> $R/cpu-kernel.jsonl ;;
     *) echo "unknown step $step" ;;
   esac
   cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null
