@@ -196,10 +196,13 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=params, settings=settings)
         ids = batch(micro_batch, seq, vocab, device)
-        phases, losses = [], []
+        phases, losses, updates = [], [], []
 
         def step() -> None:
             opt.step()
+            finished = getattr(opt, "last_update", None)  # ours: the newest finished update (overlap: the last step's)
+            if finished is not None:
+                updates.append(round(finished.seconds, 4))
             opt.zero_grad()
 
         def iteration() -> None:
@@ -226,6 +229,10 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
                    iter_phases_s=round(fwd + bwd + step_s, 4),
                    aggregate_update_Gparams_per_s=round(params / update_s / 1e9, 3), losses=list(losses),
                    peak_gpu_GB_per_rank=round(max(peak), 2), **info)
+        if len(updates) > warmup + 1:  # ours: every step's finished update, and the median past the warm-up
+            median = statistics.median(updates[warmup + 1:])
+            row.update(updates_s=updates, update_median_s=round(median, 4),
+                       aggregate_update_median_Gparams_per_s=round(params / median / 1e9, 3))
         row["sweep"] = {}
         for entry in sweep:  # the same job, other schedules (and CPU threads): where the chosen one stands
             schedule, _, threads = str(entry).partition("@")
