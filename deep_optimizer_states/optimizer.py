@@ -782,7 +782,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 if event is not None:
                     event.synchronize()
                 sg = self.layout.subgroups[index]
-                landed = sg.bf16_halves()[0] if self.engine.bf16_kernel is not None and sg.bf16 else sg.grad32
+                landed = sg.bf16_halves()[0] if self.engine.takes_bf16(sg) else sg.grad32
                 ok = ok and bool(torch.isfinite(landed).all())
         if self.group is None:
             return ok

@@ -214,6 +214,11 @@ class Engine:
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
         self._cpu_spans: list[tuple[float, float, str]] = []
 
+    def takes_bf16(self, sg: Subgroup) -> bool:
+        """Whether ``sg``, placed on the CPU, takes the bf16 path: its gradients land in the first half of its
+        grad32 memory as bf16 (``Subgroup.bf16_halves``), and its params go up from the second half."""
+        return self.bf16_kernel is not None and sg.bf16
+
     def set_cpu_threads(self, threads: int) -> None:
         """Threads of the CPU path's AdamW from now on. With a GPU it runs on the engine's worker thread,
         whose count is its own (torch keeps one per thread): the caller's is left as it is. Fewer threads
@@ -267,7 +272,7 @@ class Engine:
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
         jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
         on_cpu = [j for j in jobs if j.placement is Placement.CPU]
-        bf16 = {j.subgroup.index for j in on_cpu if self.bf16_kernel is not None and j.subgroup.bf16}
+        bf16 = {j.subgroup.index for j in on_cpu if self.takes_bf16(j.subgroup)}
         feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
         on_host = []
         if landed or bf16:  # the multipliers are final at ``ready``, whichever stream computed them
