@@ -15,6 +15,7 @@ Systems, each with every optimizer state on the host:
                   path's in bf16, its params up in bf16 (our kernel)
   ours_overlap_bf16  "ours_overlap" with bf16_cpu_path=True: the CPU path's gradients streamed in bf16
   ours_spec_prefetch  "ours_overlap" with speculate=True and prefetch=True: both halves begun in backward
+  ours_spec_bf16  "ours_spec" with bf16_cpu_path=True (the best single-H200 system at 5.2B)
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -121,6 +122,10 @@ def _ours_spec_prefetch(preset: str, device: torch.device, micro_batch: int):
     return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, speculate=True, prefetch=True)
 
 
+def _ours_spec_bf16(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, speculate=True, bf16=True)
+
+
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
     from bench.systems import fsdp2_offload_model
 
@@ -160,6 +165,7 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
 SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "ours_stream": _ours_stream, "ours_overlap": _ours_overlap,
            "ours_prefetch": _ours_prefetch, "ours_spec": _ours_spec, "ours_bf16": _ours_bf16,
            "ours_overlap_bf16": _ours_overlap_bf16, "ours_spec_prefetch": _ours_spec_prefetch,
+           "ours_spec_bf16": _ours_spec_bf16,
            "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
 
 
