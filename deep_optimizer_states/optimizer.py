@@ -25,13 +25,13 @@ from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
-from .core.schedule import Placement, Schedule, validate_schedule
-from .core.speculate import DEFAULT_SPECULATIVE_SUBGROUPS, LAUNCH_CORES, Speculation
-from .planning.budget import CudaProbe, MemoryBudget, validate_budget
+from .core.schedule import Placement, Schedule
+from .core.speculate import LAUNCH_CORES, Speculation
+from .options import check_options
+from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NONFINITE_POLICIES = ("skip", "raise")
 
 
 class _TorchDefault:
@@ -126,19 +126,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             _refuse_sparse_modules(self.module)
         if isinstance(params, nn.Module):  # a quantised frozen base (int8 weights, as in QLoRA) is not ours
             params = [(n, p) for n, p in self.module.named_parameters() if p.is_floating_point() or p.requires_grad]
-        if isinstance(subgroup_size, bool) or not isinstance(subgroup_size, int) or subgroup_size <= 0:
-            raise ValueError(f"subgroup_size must be an int > 0 (elements per subgroup), got {subgroup_size!r}")
-        if isinstance(staging_slots, bool) or not isinstance(staging_slots, int) or staging_slots < 1:
-            raise ValueError(f"staging_slots must be an int >= 1, got {staging_slots!r}")
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"betas must be two floats in [0, 1), got {betas!r}")
-        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and not isinstance(
-                max_grad_norm, bool) and max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a finite float > 0 or None, got {max_grad_norm!r}")
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
-        validate_schedule(schedule)  # before the host memory is pinned (tens of seconds for a big model)
-        validate_budget(gpu_memory_budget)
+        speculate = check_options(subgroup_size=subgroup_size, staging_slots=staging_slots, betas=betas,
+                                  max_grad_norm=max_grad_norm, nonfinite=nonfinite, schedule=schedule,
+                                  gpu_memory_budget=gpu_memory_budget, stream_grads=stream_grads, overlap=overlap,
+                                  prefetch=prefetch, speculate=speculate, bf16_cpu_path=bf16_cpu_path,
+                                  has_model=self.module is not None)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, foreach=foreach, capturable=capturable, differentiable=differentiable,
                         fused=fused, decoupled_weight_decay=adamw)
@@ -153,32 +145,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.device = self._check_params(device)
         trainable = self._trainable()
         self.group = shard_group([p for params, _ in trainable for p in params])
-        if not isinstance(stream_grads, bool):
-            raise ValueError(f"stream_grads must be True or False, got {stream_grads!r}")
-        if not isinstance(overlap, bool):
-            raise ValueError(f"overlap must be True or False, got {overlap!r}")
-        if not isinstance(prefetch, bool):
-            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
-        if prefetch and not stream_grads:
-            raise ValueError("prefetch=True needs stream_grads=True: the copies start from its gradient hooks in "
-                             "backward")
-        if isinstance(speculate, bool):
-            speculate = DEFAULT_SPECULATIVE_SUBGROUPS if speculate else 0
-        if not isinstance(speculate, int) or speculate < 0:
-            raise ValueError(f"speculate must be True, False or an int >= 0 (subgroups updated ahead), "
-                             f"got {speculate!r}")
-        if speculate and not stream_grads:
-            raise ValueError("speculate needs stream_grads=True: the CPU path's update runs ahead from its gradient "
-                             "hooks in backward")
-        if not isinstance(bf16_cpu_path, bool):
-            raise ValueError(f"bf16_cpu_path must be True or False, got {bf16_cpu_path!r}")
         if speculate and loss_scale is not None and (loss_scale != "auto" or any(
                 p.dtype == torch.float16 for params, _ in trainable for p in params)):
             raise ValueError("speculate does not support loss scaling (fp16 params): train bf16 params, or pass "
                              "speculate=False")
-        if overlap and self.module is None:
-            raise ValueError("overlap=True needs the model, to make each module's forward wait for its own params: "
-                             "pass the model itself as the first argument, or as model= beside param groups")
         if isinstance(schedule, (list, tuple)):  # its length, before the host memory is pinned; all ranks raise
             count = subgroup_count(trainable, subgroup_size)
             if RankSync(self.group, self.device).anyone(len(schedule) != count):
