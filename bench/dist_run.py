@@ -16,6 +16,7 @@ Systems, each with every optimizer state on the host:
   ours_overlap_bf16  "ours_overlap" with bf16_cpu_path=True: the CPU path's gradients streamed in bf16
   ours_spec_prefetch  "ours_overlap" with speculate=True and prefetch=True: both halves begun in backward
   ours_spec_bf16  "ours_spec" with bf16_cpu_path=True (the best single-H200 system at 5.2B)
+  ours_spec32     "ours_spec" with speculate=32 spares (at 10.6B all 16 default ones were kept every step)
   fsdp2_offload   FSDP2 fully_shard + CPUOffloadPolicy(pin_memory=True), bf16 MixedPrecisionPolicy (fp32
                   reduce), torch's fused CPU AdamW
   deepspeed       DeepSpeed ZeRO-3 with offload_optimizer cpu (pin_memory), bf16, overlap_comm
@@ -55,7 +56,7 @@ STAGING_SLOTS = 2  # --slots
 
 
 def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload", stream: bool = False,
-          overlap: bool = False, prefetch: bool = False, speculate: bool = False, bf16: bool = False):
+          overlap: bool = False, prefetch: bool = False, speculate: bool | int = False, bf16: bool = False):
     from torch.distributed.fsdp import fully_shard
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
@@ -126,6 +127,10 @@ def _ours_spec_bf16(preset: str, device: torch.device, micro_batch: int):
     return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, speculate=True, bf16=True)
 
 
+def _ours_spec32(preset: str, device: torch.device, micro_batch: int):
+    return _ours(preset, device, micro_batch, "offload", stream=True, overlap=True, speculate=32)
+
+
 def _fsdp2_offload(preset: str, device: torch.device, micro_batch: int):
     from bench.systems import fsdp2_offload_model
 
@@ -165,7 +170,7 @@ def _deepspeed(preset: str, device: torch.device, micro_batch: int):
 SYSTEMS = {"ours": _ours, "ours_auto": _ours_auto, "ours_stream": _ours_stream, "ours_overlap": _ours_overlap,
            "ours_prefetch": _ours_prefetch, "ours_spec": _ours_spec, "ours_bf16": _ours_bf16,
            "ours_overlap_bf16": _ours_overlap_bf16, "ours_spec_prefetch": _ours_spec_prefetch,
-           "ours_spec_bf16": _ours_spec_bf16,
+           "ours_spec_bf16": _ours_spec_bf16, "ours_spec32": _ours_spec32,
            "fsdp2_offload": _fsdp2_offload, "deepspeed": _deepspeed}
 
 
