@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
-from deep_optimizer_states.core.engine import SLOT_BYTES_PER_ELEMENT as SLOT_BYTES
+from deep_optimizer_states.core.slots import SLOT_BYTES_PER_ELEMENT as SLOT_BYTES
 from deep_optimizer_states.planning.budget import MemoryBudget
 from deep_optimizer_states.planning.plan import Planner
 from tests.harness import loss_of, mlp, needs_compiler, tiny_llama

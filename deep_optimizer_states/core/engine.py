@@ -31,7 +31,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,15 +41,13 @@ from .lanes import Lane, Done, current_point
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
+from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, Slot
 
-if TYPE_CHECKING:
-    from .prefetch import Ahead
 
 FP32 = torch.float32
 STAGED_BYTES = 12  # PCIe bytes per element, each direction: fp32 master, exp_avg, exp_avg_sq
 CPU_PATH_BYTES = 4  # PCIe bytes per element, each direction: fp32 grad down, fp32 master up
 BF16_CPU_PATH_BYTES = 2  # the same with ``bf16_cpu_path``: bf16 grad down, bf16 param up
-SLOT_BYTES_PER_ELEMENT = 16  # a staging slot: fp32 param, grad, exp_avg, exp_avg_sq
 GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead of the one being updated
 # With two slots, a subgroup's way in waits for the flush of the one two places ahead: a gap per subgroup.
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
@@ -100,14 +98,6 @@ class UpdateStats:
     prefetched: int = 0  # staged subgroups whose states came in during backward (their slots filled ahead)
     speculated: int = 0  # CPU subgroups whose AdamW ran during backward and was kept (only their params went up)
     speculated_elements: int = 0  # their elements: the CPU work done before the update began
-
-
-class _Slot:
-    """GPU memory for one staged subgroup: fp32 param, grad, exp_avg, exp_avg_sq."""
-
-    def __init__(self, numel: int, device: torch.device) -> None:
-        self.p, self.g, self.m, self.v = torch.empty(4, numel, dtype=FP32, device=device).unbind(0)
-        self.free = None  # event: the slot's last flush has completed
 
 
 def bf16_update(kernel: cpu_adamw.Bf16GradAdam, job: Job, multipliers: Sequence[float]) -> None:
@@ -344,7 +334,7 @@ class Engine:
         slots = []
         if staged:
             try:
-                slots = [_Slot(max(staged), self.device) for _ in range(min(count, len(staged)))]
+                slots = [Slot(max(staged), self.device) for _ in range(min(count, len(staged)))]
             except torch.cuda.OutOfMemoryError:
                 if not self._warned_fallback:
                     warnings.warn("not enough GPU memory for the staging slots: updating those subgroups on the CPU")
@@ -406,7 +396,7 @@ class Engine:
             _params_from(p, sg, None)
         self._on_written(sg.index, self.resident.record())
 
-    def _update_staged(self, job: Job, slot: _Slot | None, multipliers, grads: dict | None,
+    def _update_staged(self, job: Job, slot: Slot | None, multipliers, grads: dict | None,
                        filled: Ahead | None = None) -> None:
         """Through ``slot`` (its way in first), or through a slot ``filled`` ahead (only its event awaited)."""
         sg = job.subgroup

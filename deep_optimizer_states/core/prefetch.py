@@ -14,26 +14,13 @@ that subgroup the usual way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from .lanes import Lane, current_point
-from .engine import SLOT_BYTES_PER_ELEMENT
 from .layout import Subgroup
-
-
-@dataclass
-class Ahead:
-    """One subgroup's states in a slot of their own: p, g, m, v (g is written by the update), and the event
-    after which p, m and v hold the host's values."""
-
-    p: torch.Tensor
-    g: torch.Tensor
-    m: torch.Tensor
-    v: torch.Tensor
-    loaded: object
+from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, slot_tensors
 
 
 class Prefetch:
@@ -73,7 +60,7 @@ class Prefetch:
             if before_fill is not None and not added:
                 before_fill(self.step_bytes)
             try:
-                p, g, m, v = torch.empty(4, sg.numel, dtype=torch.float32, device=self.device).unbind(0)
+                p, g, m, v = slot_tensors(sg.numel, self.device)
             except torch.cuda.OutOfMemoryError:
                 break
             self.lane.wait(current_point(self.device))

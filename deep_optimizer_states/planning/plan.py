@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ..core.engine import SLOT_BYTES_PER_ELEMENT
+from ..core.slots import SLOT_BYTES_PER_ELEMENT
 from ..core.ranks import RankSync
 from ..core.residency import RESIDENT_BYTES_PER_ELEMENT
 from ..core.schedule import MODELLED, Placement, Schedule, placements, validate_schedule
