@@ -157,6 +157,33 @@ def test_a_bad_schedule_or_budget_is_refused_before_host_memory_is_pinned(kwargs
     DeepOptimizerStates(model, subgroup_size=5000, schedule=["cpu", "staged", "cpu"])
 
 
+@pytest.mark.parametrize("kwargs,message", [
+    ({"stream_grads": "yes"}, "stream_grads must be True or False"),
+    ({"overlap": 1}, "overlap must be True or False"),
+    ({"prefetch": True}, "prefetch=True needs stream_grads=True"),
+    ({"speculate": -1, "stream_grads": True}, "speculate must be True, False or an int >= 0"),
+    ({"speculate": True}, "speculate needs stream_grads=True"),
+    ({"bf16_cpu_path": "on"}, "bf16_cpu_path must be True or False"),
+    ({"nonfinite": "ignore"}, "nonfinite must be one of"),
+    ({"max_grad_norm": float("inf")}, "max_grad_norm must be a finite float"),
+    ({"staging_slots": True}, "staging_slots must be an int >= 1"),
+    ({"overlap": True, "as_params": True}, "overlap=True needs the model"),
+])
+def test_every_option_is_refused_before_host_memory_is_pinned(kwargs, message, monkeypatch):
+    from deep_optimizer_states.core import layout
+
+    def no_pinning(*args, **kw):
+        raise AssertionError("host buffers were allocated before the bad value was refused")
+
+    model = mlp()
+    kwargs = dict(kwargs)
+    params = model.parameters() if kwargs.pop("as_params", False) else model
+    with monkeypatch.context() as patch:
+        patch.setattr(layout, "host_empty_many", no_pinning)
+        with pytest.raises(ValueError, match=message):
+            DeepOptimizerStates(params, **kwargs)
+
+
 def test_params_sharing_memory_are_refused_and_disjoint_views_are_not():
     buffer = torch.zeros(10)
     overlapping = [nn.Parameter(buffer), nn.Parameter(buffer[2:].view(2, 4))]
