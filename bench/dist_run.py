@@ -28,7 +28,9 @@ barrier around each (inside the time), so a phase ends when the slowest rank end
 iterations run as a training loop runs them (only the loss read synchronises): ``iter_s`` is the slowest
 rank's median wall time of those (an update left running past ``step()`` would hide in a synchronize
 outside the timers). Aggregate update throughput: the model's params over the engine's own update time
-(ours; the rows before 2026-11-30's third session used the step phase) or the step phase (peers).
+(ours; the rows before 2026-11-30's third session used the step phase) or the step phase (peers). Under
+speculate the engine's time leaves out the CPU work done during backward: ours' rows keep rank 0's elements
+of it per step (``updates_speculated_elements``, since the seventeenth session).
 Thread counts: torchrun sets OMP_NUM_THREADS=1; the peers are given what their docs recommend (set
 OMP_NUM_THREADS to cores / local ranks when launching), ours sets its own (cores / local ranks).
 """
@@ -207,13 +209,14 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=params, settings=settings)
         ids = batch(micro_batch, seq, vocab, device)
-        phases, losses, updates = [], [], []
+        phases, losses, updates, ahead = [], [], [], []
 
         def step() -> None:
             opt.step()
             finished = getattr(opt, "last_update", None)  # ours: the newest finished update (overlap: the last step's)
             if finished is not None:
                 updates.append(round(finished.seconds, 4))
+                ahead.append(finished.speculated_elements)  # CPU work done during backward: not in its seconds
             opt.zero_grad()
 
         def iteration() -> None:
@@ -243,7 +246,8 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         if len(updates) > warmup + 1:  # ours: every step's finished update, and the median past the warm-up
             median = statistics.median(updates[warmup + 1:])
             row.update(updates_s=updates, update_median_s=round(median, 4),
-                       aggregate_update_median_Gparams_per_s=round(params / median / 1e9, 3))
+                       aggregate_update_median_Gparams_per_s=round(params / median / 1e9, 3),
+                       updates_speculated_elements=ahead)
         row["sweep"] = {}
         for entry in sweep:  # the same job, other schedules (and CPU threads): where the chosen one stands
             schedule, _, threads = str(entry).partition("@")
