@@ -121,7 +121,7 @@ def check(opt: "DeepOptimizerStates", sd: dict) -> None:
     check_dos(sd.get("dos") or {})
 
 
-def check_dos(dos) -> None:
+def check_dos(dos: object) -> None:
     """Raise ValueError if ``dos`` (a state_dict's ``dos`` entry) is not one this code can load."""
     if not isinstance(dos, Mapping):
         raise ValueError(f"state_dict['dos'] is {type(dos).__name__}, not our entry: the state_dict is corrupt")

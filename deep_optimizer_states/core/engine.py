@@ -37,7 +37,7 @@ import torch
 
 from . import cpu_adamw
 from .adam import AdamHyper, adam_update
-from .lanes import Lane, Done, current_point
+from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
@@ -179,7 +179,7 @@ class _GradFeed:
                     _grads_fp32(sg.grad32, sg, self.scratch, self.multipliers, self.grads)
             self.events.append(self.lane.record())
 
-    def landed(self, i: int):
+    def landed(self, i: int) -> Event:
         """The event of subgroup i's gradient landing on the host; sends the next one on its way."""
         self._send()
         return self.events[i]
@@ -233,7 +233,8 @@ class Engine:
             self._worker = None
 
     def update(self, jobs: list[Job], multipliers: Sequence[torch.Tensor] = (), max_slots: int = DEFAULT_STAGING_SLOTS,
-               residents: Residents | None = None, landed: dict | None = None, ready=None, grads: dict | None = None,
+               residents: Residents | None = None, landed: dict | None = None, ready: Event = None,
+               grads: dict | None = None,
                on_written: Callable[[int, object], None] | None = None,
                ahead: dict[int, Ahead] | None = None) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and states are all updated (a resident

@@ -10,7 +10,7 @@ GPU behind our back.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, ItemsView, KeysView, NoReturn, ValuesView
 
 import torch
 
@@ -53,7 +53,7 @@ class ParamState(dict):
     def __delitem__(self, key) -> None:
         raise RuntimeError(RESET_MESSAGE)
 
-    def pop(self, *args):
+    def pop(self, *args: Any) -> NoReturn:
         raise RuntimeError(RESET_MESSAGE)
 
     def clear(self) -> None:
@@ -85,7 +85,7 @@ class HostState(dict):
         raise TypeError("opt.state holds views into the optimizer's pinned host buffers and cannot be copied or "
                         "pickled: copy opt.state_dict() instead")
 
-    def expose(self, key, value: "ParamState | None") -> None:
+    def expose(self, key: torch.Tensor, value: "ParamState | None") -> None:
         """The optimizer's own bookkeeping: show ``value`` as the param's state (None: none)."""
         if value is None:
             dict.pop(self, key, None)
@@ -95,10 +95,10 @@ class HostState(dict):
     def __delitem__(self, key) -> None:
         raise RuntimeError(RESET_MESSAGE)
 
-    def pop(self, *args):
+    def pop(self, *args: Any) -> NoReturn:
         raise RuntimeError(RESET_MESSAGE)
 
-    def popitem(self):
+    def popitem(self) -> NoReturn:
         raise RuntimeError(RESET_MESSAGE)
 
     def clear(self) -> None:
@@ -110,18 +110,18 @@ class HostState(dict):
             self._on_read(key)
         return super().__getitem__(key)
 
-    def get(self, key, default=None):
+    def get(self, key: torch.Tensor, default: Any = None) -> Any:
         self._on_access()
         if dict.__contains__(self, key):
             self._on_read(key)
         return super().get(key, default)
 
-    def values(self):
+    def values(self) -> ValuesView:
         self._on_access()
         self._on_read(None)
         return super().values()
 
-    def items(self):
+    def items(self) -> ItemsView:
         self._on_access()
         self._on_read(None)
         return super().items()
@@ -138,10 +138,10 @@ class HostState(dict):
         self._on_access()
         return super().__len__()
 
-    def keys(self):
+    def keys(self) -> KeysView:
         self._on_access()
         return super().keys()
 
-    def raw(self, key):
+    def raw(self, key: torch.Tensor) -> "ParamState | None":
         """The entry without making it current (the optimizer's own bookkeeping)."""
         return dict.get(self, key)

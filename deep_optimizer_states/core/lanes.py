@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 
@@ -18,6 +18,9 @@ class Done:
 
     def synchronize(self) -> None:
         pass
+
+
+Event = Union[torch.cuda.Event, Done, None]  # a point in a lane's work (None: nothing to wait for)
 
 
 class Lane:
@@ -53,7 +56,7 @@ class Lane:
         spans, self._spans = self._spans, []
         return sum(self._elapsed(b, e) for b, e, _ in spans)
 
-    def timeline(self, origin) -> list[tuple[float, float, str]]:
+    def timeline(self, origin: float | torch.cuda.Event) -> list[tuple[float, float, str]]:
         """(start, end, label) of each block since the last ``busy_seconds``, in seconds after ``origin``
         (a ``time.perf_counter()`` value on the CPU, a timing event on the GPU); after the work completed."""
         return [(self._elapsed(origin, b), self._elapsed(origin, e), label) for b, e, label in self._spans]
@@ -65,13 +68,13 @@ class Lane:
             return 0.0
         return first._elapsed(first._spans[0][0], last._spans[-1][1])
 
-    def record(self, timing: bool = False):
+    def record(self, timing: bool = False) -> Event:
         """An event that completes when all work enqueued on this lane so far has completed."""
         if self.stream is None:
             return Done()
         return self.stream.record_event(torch.cuda.Event(enable_timing=True) if timing else None)
 
-    def wait(self, event) -> None:
+    def wait(self, event: Event) -> None:
         """Make later work on this lane wait for ``event`` (without blocking the host)."""
         if self.stream is not None and event is not None:
             self.stream.wait_event(event)
@@ -81,6 +84,6 @@ class Lane:
             self.stream.synchronize()
 
 
-def current_point(device: torch.device):
+def current_point(device: torch.device) -> Event:
     """An event at the current position of the caller's stream: work before it (backward) is visible."""
     return torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 if TYPE_CHECKING:
+    from .lanes import Event
     from .layout import Layout, Subgroup
 
 
@@ -108,7 +109,7 @@ class UpdateInFlight:
             for flag, _ in list(self._written.values()):
                 flag.set()
 
-    def written(self, index: int, event) -> None:
+    def written(self, index: int, event: Event) -> None:
         """The engine wrote subgroup ``index``'s params (enqueued before ``event`` on a GPU): release its
         waiters. Called from the update's threads."""
         with self._lock:

@@ -15,7 +15,7 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -85,7 +85,7 @@ class TokenData:
         return cls(tokens, BYTE_VOCAB, seq, micro_batch, **kw)
 
     @classmethod
-    def from_tokenizer(cls, texts: Iterable[str], tokenizer, seq: int, micro_batch: int, **kw) -> "TokenData":
+    def from_tokenizer(cls, texts: Iterable[str], tokenizer: Any, seq: int, micro_batch: int, **kw) -> "TokenData":
         """Texts encoded one by one with a Hugging Face tokenizer (no special tokens), joined by its EOS if any."""
         ids: list[int] = []
         sep = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
@@ -130,7 +130,7 @@ class TokenData:
 
 
 def load_text_data(files: Sequence[str] | None, seq: int, micro_batch: int, seed: int = 0,
-                   limit_mb: float = 8.0, tokenizer=None, eval_fraction: float = 0.05) -> TokenData:
+                   limit_mb: float = 8.0, tokenizer: Any = None, eval_fraction: float = 0.05) -> TokenData:
     """``files`` (all of each), or the standard library's source up to ``limit_mb``; byte-level unless a
     ``tokenizer`` is given."""
     if files:

@@ -17,6 +17,7 @@ from typing import Iterator
 
 import torch
 
+from ..core.schedule import Schedule
 from ..optimizer import DeepOptimizerStates
 from .models import llama
 
@@ -86,7 +87,7 @@ def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
     if clock.device.type != "cuda":
         return []
 
-    def after_forward(module, args, output) -> None:
+    def after_forward(module: torch.nn.Module, args: tuple, output: object) -> None:
         clock.sample()
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: clock.sample())
@@ -94,8 +95,8 @@ def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
     return [m.register_forward_hook(after_forward) for m in model.modules() if not list(m.children())]
 
 
-def profile(preset: str = "tiny", iterations: int = 3, schedule="auto", micro_batch: int = 2, seq: int = 128,
-            device: str | None = None, out: str | Path = "profile",
+def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "auto", micro_batch: int = 2,
+            seq: int = 128, device: str | None = None, out: str | Path = "profile",
             gpu_memory_budget: int | float | None = None) -> dict:
     """Train ``iterations`` iterations of the ``preset`` Llama on random tokens and write the last one's
     timeline to ``out``/timeline.png and ``out``/trace.json; returns the phases and paths."""

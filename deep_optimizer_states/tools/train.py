@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 # CPU default: 2.8M params, about 2 minutes on 2 idle cores, byte-level loss from ~5.5 to below 2.
 CPU_DEFAULTS = {"hidden": 256, "layers": 4, "seq": 128, "micro_batch": 16}
@@ -136,7 +137,7 @@ def _loss(model, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model, batches: list[torch.Tensor], device: torch.device) -> float:
+def evaluate(model: nn.Module, batches: list[torch.Tensor], device: torch.device) -> float:
     """Mean loss over the held-out batches."""
     was_training = model.training
     model.eval()
@@ -146,7 +147,7 @@ def evaluate(model, batches: list[torch.Tensor], device: torch.device) -> float:
 
 
 @torch.no_grad()
-def generate(model, prompt: list[int], new_tokens: int, context: int, device: torch.device, top_k: int = 1,
+def generate(model: nn.Module, prompt: list[int], new_tokens: int, context: int, device: torch.device, top_k: int = 1,
              seed: int = 0) -> list[int]:
     """``new_tokens`` ids continuing ``prompt``: greedy for top_k 1, else sampled from the top k (seeded)."""
     was_training = model.training
