@@ -4,7 +4,8 @@ runs were killed that way; how long each had run was not recorded).
 
     python3 -m bench.dist_estimate SYSTEM MODEL RANKS WARMUP ITERS [SWEEP]   # whole seconds, 0 if unknown
 
-From the newest finished row of the same system, model and rank count in docs/benchmarks/dist-results.jsonl:
+From the newest finished row of the same system, model and rank count in docs/benchmarks/dist-results.jsonl
+(for a variant of ours not run yet, the slowest of the variants' rows):
 its setup, the iterations this run will take (``WARMUP + ITERS`` phase-timed, ``ITERS + 1`` counted, 3 per
 entry of the comma-separated SWEEP) at the slower of its two iteration times, and a fixed cost for launching, calibrating and freeing the pinned memory
 (30-35 s measured from call 12's command walls, rounded up).
@@ -23,18 +24,30 @@ OVERHEAD_S = 40.0
 SWEEP_ITERATIONS = 3  # bench/dist_run.py: iterations per schedule of the sweep
 
 
+def _variant(system: str) -> bool:
+    """A variant of ours that keeps every state on the host (options of one pipeline, alike in cost)."""
+    return system.startswith("ours") and system != "ours_auto"
+
+
 def estimate(rows: list[dict], system: str, model: str, ranks: int, warmup: int, iters: int,
              sweep: int = 0) -> float | None:
     """Expected seconds of one run (with ``sweep`` schedules timed after it), or None when no finished run
-    of it is recorded."""
-    done = [r for r in rows if r.get("status") == "ok" and r.get("system") == system and r.get("model") == model
-            and r.get("ranks") == ranks and r.get("setup_s") is not None]
-    if not done:
+    of it is recorded. A variant of ours never run yet is given the slowest estimate of the variants that
+    ran at that model and rank count (a new option is not yet known to be cheaper)."""
+    done = [r for r in rows if r.get("status") == "ok" and r.get("model") == model and r.get("ranks") == ranks
+            and r.get("setup_s") is not None]
+    own = [r for r in done if r.get("system") == system]
+    if own:
+        candidates = own[-1:]
+    elif _variant(system):
+        candidates = [r for r in done if _variant(r.get("system", ""))]
+    else:
         return None
-    row = done[-1]
-    per_iteration = max(row.get("iter_s") or 0.0, row.get("iter_phases_s") or 0.0)
+    if not candidates:
+        return None
     iterations = warmup + 2 * iters + 1 + SWEEP_ITERATIONS * sweep
-    return row["setup_s"] + iterations * per_iteration + OVERHEAD_S
+    return max(r["setup_s"] + iterations * max(r.get("iter_s") or 0.0, r.get("iter_phases_s") or 0.0)
+               for r in candidates) + OVERHEAD_S
 
 
 def main(argv: list[str] | None = None) -> int:

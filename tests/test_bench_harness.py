@@ -259,6 +259,23 @@ def test_a_distributed_run_is_estimated_from_its_newest_finished_row(capsys, mon
     assert int(capsys.readouterr().out) == round(seconds + 2 * 3 * 7.5)
 
 
+def test_a_new_variant_of_ours_is_estimated_from_the_slowest_variant_that_ran():
+    """A variant of ours never run (a new option) is not started blind: it gets the slowest estimate of the
+    variants recorded at that model and rank count; ours_auto (states on the GPU) and the peers do not count."""
+    rows = [{"system": "ours_overlap", "model": "10b", "ranks": 2, "status": "ok", "setup_s": 40.0, "iter_s": 2.0},
+            {"system": "ours_spec", "model": "10b", "ranks": 2, "status": "ok", "setup_s": 30.0, "iter_s": 3.0},
+            {"system": "ours_auto", "model": "10b", "ranks": 2, "status": "ok", "setup_s": 99.0, "iter_s": 9.0},
+            {"system": "deepspeed", "model": "10b", "ranks": 2, "status": "ok", "setup_s": 99.0, "iter_s": 9.0},
+            {"system": "ours_spec", "model": "10b", "ranks": 1, "status": "ok", "setup_s": 99.0, "iter_s": 9.0}]
+    iterations = 1 + 2 * 5 + 1
+    expected = max(40.0 + iterations * 2.0, 30.0 + iterations * 3.0) + dist_estimate.OVERHEAD_S
+    assert dist_estimate.estimate(rows, "ours_spec32", "10b", 2, warmup=1, iters=5) == expected
+    assert dist_estimate.estimate(rows, "ours_overlap", "10b", 2, 1, 5) == 40.0 + iterations * 2.0 + \
+        dist_estimate.OVERHEAD_S, "a variant that ran is estimated from its own row"
+    assert dist_estimate.estimate(rows, "ours_spec32", "5.2b", 2, 1, 5) is None
+    assert dist_estimate.estimate(rows, "fsdp2_offload", "10b", 2, 1, 5) is None
+
+
 @needs_compiler
 def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cannot_run(capsys):
     from bench import cpu_kernel
