@@ -26,8 +26,8 @@ compared step by step (rows before 2026-11-30's fourteenth session started from 
 Every rank trains its own micro-batch (4 x 1024 by default). Phases are timed with a device synchronize and a
 barrier around each (inside the time), so a phase ends when the slowest rank ends it; then as many
 iterations run as a training loop runs them (only the loss read synchronises): ``iter_s`` is the slowest
-rank's median wall time of those (an update left running past ``step()`` would hide in a synchronize
-outside the timers). Aggregate update throughput: the model's params over the engine's own update time
+rank's median wall time of those, ``iter_mean_s`` the slowest rank's mean (an update left running past
+``step()`` would hide in a synchronize outside the timers). Aggregate update throughput: the model's params over the engine's own update time
 (ours; the rows before 2026-11-30's third session used the step phase) or the step phase (peers). Under
 speculate the engine's time leaves out the CPU work done during backward: ours' rows keep rank 0's elements
 of it per step (``updates_speculated_elements``, since the seventeenth session).
@@ -238,7 +238,8 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         info = extra()
         update_s = info.get("update_s") or step_s  # ours: the engine's own time (a step may return before it)
         row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
-                   iter_s=round(max(_gathered(statistics.median(walls))), 4), iter_walls_s=[round(w, 4) for w in walls],
+                   iter_s=round(max(_gathered(statistics.median(walls))), 4),
+                   iter_mean_s=round(max(_gathered(statistics.fmean(walls))), 4), iter_walls_s=[round(w, 4) for w in walls],
                    first_wall_s=round(first_wall, 4), walls_split_s=splits,
                    iter_phases_s=round(fwd + bwd + step_s, 4),
                    aggregate_update_Gparams_per_s=round(params / update_s / 1e9, 3), losses=list(losses),

@@ -136,6 +136,8 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     # each counted wall split into the host's seconds per call, adding up to it
     assert [sorted(split) for split in row["walls_split_s"]] == [sorted(PARTS)] * 2
     assert all(abs(sum(split.values()) - wall) < 1e-3 for split, wall in zip(row["walls_split_s"], row["iter_walls_s"]))
+    # the mean wall beside the median: a loop whose walls alternate runs at the mean, not the median
+    assert abs(row["iter_mean_s"] - sum(row["iter_walls_s"]) / 2) < 1e-3
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
 
