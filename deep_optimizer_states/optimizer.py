@@ -181,16 +181,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                bf16=self.engine.bf16_kernel is not None
                                and all(sg.bf16 for sg in self.layout.subgroups))
         self._largest_input = 0
-        self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed),
-                                       self.engine.bf16_kernel is not None) if stream_grads else None)
+        self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed), self.engine.takes_bf16)
+                            if stream_grads else None)
         if self.prefetch is not None:
             self.grad_stream.after_grad = _weak(self._fill_ahead)
         self.speculation: Speculation | None = None
         self._speculating = True  # off for the step after one whose gradients were clipped (undone)
         if speculate:
             self.speculation = Speculation(speculate, max((sg.numel for sg in self.layout.subgroups), default=0),
-                                           local_ranks(), self.engine.on_cpu,
-                                           LAUNCH_CORES if self.device.type == "cuda" else 0, self.engine.bf16_kernel)
+                                           local_ranks(), self.engine, LAUNCH_CORES if self.device.type == "cuda" else 0)
             self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None

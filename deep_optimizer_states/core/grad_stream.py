@@ -30,9 +30,10 @@ class GradStream:
     """Per step: which subgroups' gradients have landed on the host, and the norms of final gradients."""
 
     def __init__(self, layout: Layout, device: torch.device, is_cpu_placed: Callable[[int], bool],
-                 bf16: bool = False) -> None:
-        """``bf16``: subgroups of bf16 params land as bf16, in the first half of grad32 (``bf16_cpu_path``)."""
-        self.layout, self.device, self.is_cpu_placed, self.bf16 = layout, device, is_cpu_placed, bf16
+                 takes_bf16: Callable[[Subgroup], bool] = lambda sg: False) -> None:
+        """``takes_bf16`` (``Engine.takes_bf16``): subgroups that land as bf16, in the first half of grad32
+        (``bf16_cpu_path``)."""
+        self.layout, self.device, self.is_cpu_placed, self.takes_bf16 = layout, device, is_cpu_placed, takes_bf16
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.final = True  # False inside opt.accumulating(): this backward is not the last micro-batch
         self._subgroups_of = {id(p): layout.subgroups_of(b, i) for b in layout.buckets for i, p in enumerate(b.params)}
@@ -115,7 +116,7 @@ class GradStream:
     def _send(self, sg: Subgroup) -> None:
         """Gather and up-cast the subgroup's gradients on the side stream, then copy them to its grad32 (bf16
         ones as they are, into its first half, with ``bf16``)."""
-        bf16 = self.bf16 and sg.bf16
+        bf16 = self.takes_bf16(sg)
         dst = sg.bf16_halves()[0] if bf16 else sg.grad32
         if self.stream is None:
             sg.gather_grads(dst)

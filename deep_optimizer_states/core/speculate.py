@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 
-from .cpu_adamw import Bf16GradAdam
-from .engine import Job, bf16_update
+from .engine import Engine, Job, bf16_update
 from .host_memory import HostSpec, check_host_capacity, format_bytes, host_empty_many
 from .layout import Subgroup
 
@@ -44,16 +43,16 @@ class _Ahead:
 class Speculation:
     """At most ``count`` CPU subgroups updated ahead of ``step()``, each undoable from its spare."""
 
-    def __init__(self, count: int, largest: int, local_ranks: int, run_on_cpu: Callable[..., Future],
-                 launch_cores: int = 0, bf16_kernel: Bf16GradAdam | None = None) -> None:
-        """``launch_cores``: cores left to backward's launching thread (with a GPU) while an update runs ahead.
-        ``bf16_kernel``: subgroups of bf16 params run ahead on it (``bf16_cpu_path``), as the update would."""
+    def __init__(self, count: int, largest: int, local_ranks: int, engine: Engine, launch_cores: int = 0) -> None:
+        """Subgroups run ahead on ``engine``'s CPU worker, each on the kernel its update would take
+        (``Engine.takes_bf16``). ``launch_cores``: cores left to backward's launching thread (with a GPU) while
+        an update runs ahead."""
         needed = SPARE_BYTES_PER_ELEMENT * largest * count
         check_host_capacity(needed * local_ranks, f"speculate={count}: {count} spare subgroups of "
                             f"{format_bytes(SPARE_BYTES_PER_ELEMENT * largest)} (pass a smaller count)")
         self._free = [t.view(3, largest) for t in host_empty_many(
             [HostSpec(3 * largest, torch.float32, zero=False) for _ in range(count)], pin=False)] if largest else []
-        self._run_on_cpu, self._launch_cores, self._kernel = run_on_cpu, launch_cores, bf16_kernel
+        self._engine, self._launch_cores = engine, launch_cores
         self._ahead: dict[int, _Ahead] = {}
         self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
         self.undone = 0  # ... and was undone
@@ -68,7 +67,7 @@ class Speculation:
         if not self._free or job.subgroup.index in self._ahead:
             return False
         ahead = self._ahead[job.subgroup.index] = _Ahead(job, self._free.pop())
-        ahead.done = self._run_on_cpu(_run_ahead, ahead, landed, self._launch_cores, self._kernel)
+        ahead.done = self._engine.on_cpu(_run_ahead, ahead, landed, self._launch_cores, self._engine)
         return True
 
     def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
@@ -120,7 +119,7 @@ def _failed(done: Future) -> bool:
 
 
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
-def _run_ahead(ahead: _Ahead, landed: object, launch_cores: int, kernel: Bf16GradAdam | None) -> None:
+def _run_ahead(ahead: _Ahead, landed: object, launch_cores: int, engine: Engine) -> None:
     """On ``launch_cores`` threads fewer than the CPU path's own: backward launches its kernels from a thread
     that must find a core (elementwise work: the results do not depend on the thread count)."""
     sg = ahead.job.subgroup
@@ -134,8 +133,8 @@ def _run_ahead(ahead: _Ahead, landed: object, launch_cores: int, kernel: Bf16Gra
         for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
             dst.copy_(src)
         ahead.copied = True
-        if kernel is not None and sg.bf16:  # its gradients landed in bf16; the params it rounds go up if kept
-            bf16_update(kernel, ahead.job, ())
+        if engine.takes_bf16(sg):  # its gradients landed in bf16; the params it rounds go up if kept
+            bf16_update(engine.bf16_kernel, ahead.job, ())
         else:
             ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
     finally:
