@@ -179,7 +179,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                budget=MemoryBudget(gpu_memory_budget, probe),
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device),
                                bf16=self.engine.bf16_kernel is not None
-                               and all(sg.bf16 for sg in self.layout.subgroups))
+                               and all(sg.bf16 for sg in self.layout.subgroups),
+                               ahead_cap=speculate * max((sg.numel for sg in self.layout.subgroups), default=0))
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed), self.engine.takes_bf16)
                             if stream_grads else None)

@@ -156,7 +156,7 @@ def test_the_planner_prices_the_head_start_that_updates_kept(monkeypatch):
     """Updates that kept CPU work done during backward teach the plan its head start (their median, the
     first update ignored) and "auto" plans again for it; updates without speculation leave it at 0."""
     sizes = equal(60)
-    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE)
+    planner = _cuda_planner(monkeypatch, sizes, H200_LIKE, ahead_cap=int(16 * 25e6))
     first = planner.plan("auto")
     for kept in (0, 10, 12, 12, 11):  # the first update teaches nothing
         planner.observe(_telemetry(planner.current.placements, 0.1, speculated_elements=int(kept * 25e6)),
@@ -171,6 +171,37 @@ def test_the_planner_prices_the_head_start_that_updates_kept(monkeypatch):
     for _ in range(4):
         still.observe(_telemetry(still.current.placements, 0.1), overlapped=True)
     assert still.ahead == 0 and still.refresh() is plan
+
+
+def test_a_plan_that_left_speculation_no_work_prices_the_spares_until_an_update_shows_more(monkeypatch):
+    """An update that kept all the CPU work its plan gave (here none: every subgroup staged) shows only a
+    floor: the plan then prices the spares' capacity, giving the CPU work to run ahead, until an update
+    stops short of its plan's CPU work; from then on what updates kept is the head start, and a later
+    floor does not bring the capacity back. Without speculation (no capacity) nothing moves."""
+    sizes, cap = equal(60), int(16 * 25e6)
+    link_bound = replace(H200_LIKE, cpu_engine=H200_LIKE.cpu_engine / 8,
+                                     cpu_contended=H200_LIKE.cpu_contended / 8)
+    planner = _cuda_planner(monkeypatch, sizes, link_bound, ahead_cap=cap)
+    first = planner.plan("auto")
+    assert first.prediction.staged == 60  # the CPU is too slow to take any subgroup in the update itself
+    for _ in range(2):  # the first update teaches nothing; the second kept all of nothing
+        planner.observe(_telemetry(planner.current.placements, 0.0), overlapped=True)
+    assert planner.ahead == cap
+    explored = planner.refresh()
+    assert explored is not first and explored.prediction.staged < 60
+    assert explored.placements == choose(sizes, link_bound, 2, ahead=cap)[0]
+    planner.observe(_telemetry(explored.placements, 0.1, speculated_elements=int(3 * 25e6)), overlapped=True)
+    assert planner.ahead == 3 * 25e6  # speculation stopped short: what it kept is the head start
+    settled = planner.refresh()
+    assert settled.placements == choose(sizes, link_bound, 2, ahead=3 * 25e6)[0]
+    on_cpu = (60 - settled.prediction.staged) * 25e6
+    planner.observe(_telemetry(settled.placements, 0.1, speculated_elements=int(on_cpu)), overlapped=True)
+    assert planner.ahead == 3 * 25e6 and planner.refresh() is settled  # a floor again: the measure stays
+    plain = _cuda_planner(monkeypatch, sizes, link_bound)
+    plan = plain.plan("auto")
+    for _ in range(3):
+        plain.observe(_telemetry(plain.current.placements, 0.0), overlapped=True)
+    assert plain.ahead == 0 and plain.refresh() is plan
 
 
 def test_lower_bound_is_below_every_plan():
@@ -297,9 +328,9 @@ def test_engine_telemetry_has_the_staged_window_and_lane_times():
     assert opt.last_update.staged_window_s == 0.0 and opt.last_update.lane_seconds["stage_in"] == 0.0
 
 
-def _cuda_planner(monkeypatch, sizes, rates):
+def _cuda_planner(monkeypatch, sizes, rates, ahead_cap=0):
     """A planner for a GPU that this CPU machine pretends to have: two staging slots always fit."""
-    planner = Planner(sizes, torch.device("cuda"), 2, rates)
+    planner = Planner(sizes, torch.device("cuda"), 2, rates, ahead_cap=ahead_cap)
     monkeypatch.setattr(planner, "slots_that_fit", lambda: 2)
     return planner
 

@@ -12,7 +12,11 @@ path (both run) and never calibrates.
 
 With ``speculate`` part of the CPU path's work is done during backward; the plan prices that head start
 (``perfmodel.price``'s ``ahead``: the median of what recent updates kept) and moves work to the CPU for it,
-planning again when it moves by more than REPLAN_AHEAD of all elements.
+planning again when it moves by more than REPLAN_AHEAD of all elements. An update that kept every CPU
+element its plan gave (none, when the plan staged everything) shows only a floor: its head start might be
+larger. Until an update shows where speculation stops, the plan prices the most the spares can hold, so a
+plan that staged everything does not stay there for want of a head start it never let run (on an H200 x2
+the 2-rank plans staged every subgroup, and speculation had nothing to do: fsdp2.md, call 17).
 """
 
 from __future__ import annotations
@@ -63,11 +67,13 @@ class Planner:
 
     def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None,
                  budget: MemoryBudget | None = None, provisional: Schedule = "auto",
-                 sync: RankSync | None = None, bf16: bool = False) -> None:
+                 sync: RankSync | None = None, bf16: bool = False, ahead_cap: int = 0) -> None:
         """``provisional``: the fixed schedule "auto" runs until calibration ("cpu" when gradients are
         streamed off the GPU: the first backward then keeps none of them there). ``sync``: the ranks that
         plan together (FSDP2); they decide together whether to load stored rates or to calibrate, and
-        calibrate in lock-step. ``bf16``: the engine runs its bf16 CPU path (its rates are calibrated apart)."""
+        calibrate in lock-step. ``bf16``: the engine runs its bf16 CPU path (its rates are calibrated apart).
+        ``ahead_cap``: the CPU elements ``speculate`` can run ahead per step (its spares times the largest
+        subgroup); 0 without speculation."""
         self.sizes, self.device, self.max_slots, self.bf16 = sizes, device, max_slots, bf16
         self.provisional = validate_schedule(provisional)
         if budget is None:
@@ -81,7 +87,9 @@ class Planner:
         self.refiner = Refiner()
         self._observed = 0
         self._planned_factors = self.refiner.factors()
+        self.ahead_cap = ahead_cap
         self._ahead_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # CPU elements each update found done ahead
+        self._ahead_floor = False  # an update kept all its plan's CPU work: a head start of unknown size
         self._planned_ahead = 0.0
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
@@ -142,8 +150,11 @@ class Planner:
     @property
     def ahead(self) -> float:
         """CPU AdamW elements the next update should find done during backward (``speculate``): the median
-        of what recent updates kept; 0 without speculation."""
-        return float(statistics.median(self._ahead_seen)) if self._ahead_seen else 0.0
+        of what recent updates kept where speculation stopped short of their plan's CPU work; before any did,
+        the spares' capacity once an update kept all of it; 0 without speculation."""
+        if self._ahead_seen:
+            return float(statistics.median(self._ahead_seen))
+        return float(self.ahead_cap) if self._ahead_floor else 0.0
 
     @property
     def factors(self) -> dict[str, float]:
@@ -170,8 +181,14 @@ class Planner:
         (``prefetch``): the model prices every staged subgroup's way in inside the update, nor one whose CPU
         subgroups were updated during backward (``speculate``)."""
         self._observed += 1
-        if self._observed > 1:
-            self._ahead_seen.append(stats.speculated_elements)
+        ran = list(placements) if placements is not None else self.current.placements
+        if self._observed > 1 and self.ahead_cap:
+            kept = stats.speculated_elements
+            on_cpu = sum(n for n, p in zip(self.sizes, ran) if p is Placement.CPU)
+            if kept >= on_cpu and kept < self.ahead_cap:  # a floor: speculation ran out of CPU work
+                self._ahead_floor = True
+            else:
+                self._ahead_seen.append(kept)
         if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched or stats.speculated:
             return
         if self._calibrated is None:
@@ -182,7 +199,6 @@ class Planner:
             self._calibrated = load_cached(self.device, self.bf16)
             if self._calibrated is None:
                 return
-        ran = list(placements) if placements is not None else self.current.placements
         self.refiner.learn(self.sizes, ran, max(self.current.slots, 1), self._calibrated, stats)
 
     def plan(self, schedule: Schedule) -> Plan:
