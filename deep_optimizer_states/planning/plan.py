@@ -90,6 +90,7 @@ class Planner:
         self.ahead_cap = ahead_cap
         self._ahead_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # CPU elements each update found done ahead
         self._ahead_floor = False  # an update kept all its plan's CPU work: a head start of unknown size
+        self._ran_before: list[Placement] | None = None  # what the update before the newest one ran
         self._planned_ahead = 0.0
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
@@ -183,12 +184,8 @@ class Planner:
         self._observed += 1
         ran = list(placements) if placements is not None else self.current.placements
         if self._observed > 1 and self.ahead_cap:
-            kept = stats.speculated_elements
-            on_cpu = sum(n for n, p in zip(self.sizes, ran) if p is Placement.CPU)
-            if kept >= on_cpu and kept < self.ahead_cap:  # a floor: speculation ran out of CPU work
-                self._ahead_floor = True
-            else:
-                self._ahead_seen.append(kept)
+            self._learn_ahead(stats.speculated_elements, ran)
+        self._ran_before = ran
         if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched or stats.speculated:
             return
         if self._calibrated is None:
@@ -200,6 +197,18 @@ class Planner:
             if self._calibrated is None:
                 return
         self.refiner.learn(self.sizes, ran, max(self.current.slots, 1), self._calibrated, stats)
+
+    def _learn_ahead(self, kept: int, ran: list[Placement]) -> None:
+        """What an update that ran ``ran`` and found ``kept`` CPU elements done during backward says of the
+        head start. Nothing when its plan is not the one before it (its backward ran ahead under that one);
+        a floor when it kept all the CPU work its plan gave, short of the spares' capacity."""
+        if ran != self._ran_before:
+            return
+        on_cpu = sum(n for n, p in zip(self.sizes, ran) if p is Placement.CPU)
+        if on_cpu <= kept < self.ahead_cap:
+            self._ahead_floor = True
+        else:
+            self._ahead_seen.append(kept)
 
     def plan(self, schedule: Schedule) -> Plan:
         """A new plan for ``schedule``. Never measures: "auto" on a GPU without stored rates gets a provisional
