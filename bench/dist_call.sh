@@ -21,6 +21,10 @@ export PYTHONUNBUFFERED=1 DOS_CACHE_DIR=/tmp/dos NCCL_NVLS_ENABLE=0 TORCH_SYMM_M
 export PYTHONPATH=/tmp/site:$PWD
 R=/tmp/dist
 mkdir -p "$R"
+# Killed at the device's time limit, the command still returns what its steps wrote so far (H200 call 18
+# lost a whole command: its one step was killed before the copy after it).
+trap 'cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null' EXIT
+trap 'exit 143' TERM INT
 cores=$(nproc)
 deadline=$1
 shift

@@ -17,6 +17,10 @@ export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACH
 export PYTHONPATH=/tmp/site:$PWD
 R=/tmp/bench
 mkdir -p "$R"
+# Killed at the device's time limit, the command still returns what its steps wrote so far (H200 call 18
+# lost a whole command: its one step was killed before the copy after it).
+trap 'cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null' EXIT
+trap 'exit 143' TERM INT
 [ -f $R/results.jsonl ] || cp docs/benchmarks/results.jsonl $R/ 2>/dev/null || true
 results=$R/results${DATA_SEED:+-seed$DATA_SEED}.jsonl
 deadline=$1

@@ -71,6 +71,21 @@ def done(out: Path) -> set[tuple]:
     return {(r["model"], r["budget_gb"], r["system"]) for r in rows if r.get("status") in ("ok", "oom")}
 
 
+def expected_wall(out: Path, model: str, budget: float | None, system: str) -> float | None:
+    """Seconds the newest finished run of this cell took (``wall_s``); for a system of ours never run at
+    this model and budget, the slowest newest run of ours there; None when nothing is known."""
+    if not out.exists():
+        return None
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    cell = [r for r in rows if r.get("status") == "ok" and r.get("model") == model
+            and r.get("budget_gb") == budget and r.get("wall_s") is not None]
+    newest = {r["system"]: r["wall_s"] for r in cell}  # each system's newest run
+    if system in newest:
+        return newest[system]
+    ours = [w for s, w in newest.items() if system.startswith("ours") and str(s).startswith("ours")]
+    return max(ours) if ours else None
+
+
 def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "bench.run_system", "--system", system, "--model", model, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
@@ -104,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
                         "repeats the runs on fresh data; write those to another --out)")
     parser.add_argument("--again", action="store_true", help="run even if a row exists")
     parser.add_argument("--deadline", type=float, default=None,
-                        help="start no run after this many seconds (the rest is left for the next call)")
+                        help="start no run that its last recorded run says would end after this many "
+                        "seconds (it is left for the next call)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     out = Path(args.out)
@@ -113,9 +129,13 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [(m, b, s) for m in args.models.split(",") for b in parse_budgets(args.budgets)
             for s in parse_systems(args.systems) if (m, b, s) not in finished]
     for model, budget, system in jobs:
-        if args.deadline is not None and time.perf_counter() - start > args.deadline:
-            print(f"deadline reached: {model} {budget or 'whole'} {system} and what follows left for the next call")
-            break
+        if args.deadline is not None:
+            left = args.deadline - (time.perf_counter() - start)
+            need = expected_wall(out, model, budget, system) or 0.0
+            if need > left:  # the device time it would spend before being killed would be lost
+                print(f"deadline: {model} {budget or 'whole'} {system} left for the next call "
+                      f"(about {need:.0f} s by its last run, {max(left, 0):.0f} s left)", flush=True)
+                continue
         row = run_one(system, model, budget, args)
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")

@@ -209,6 +209,31 @@ def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch)
     assert started == ["ours_auto", "gpu_adamw"] and len(out.read_text().splitlines()) == 2
 
 
+def test_suite_starts_no_run_its_last_recorded_wall_says_the_deadline_would_kill(tmp_path, monkeypatch):
+    """A cell whose newest finished run took longer than the time left is left for the next call, and the
+    shorter ones after it still run; a system of ours never run there is expected to take as long as the
+    slowest of ours that ran (the H200 call 18 lost its whole command to a 5.2B step that ran past it)."""
+    out = tmp_path / "results.jsonl"
+    old = [{"system": s, "model": "tiny", "budget_gb": None, "status": "ok", "wall_s": w}
+           for s, w in (("ours_offload", 30.0), ("gpu_adamw", 900.0), ("torchao_offload", 5.0),
+                        ("ours_auto", 400.0), ("ours_auto", 2.0))]
+    out.write_text("".join(json.dumps(r) + "\n" for r in old))
+    assert suite.expected_wall(out, "tiny", None, "ours_auto") == 2.0  # its newest run
+    assert suite.expected_wall(out, "tiny", None, "ours_offload_overlap") == 30.0  # slowest of ours: 2 and 30
+    assert suite.expected_wall(out, "tiny", 40.0, "gpu_adamw") is None
+    started = []
+
+    def fake_run(system, model, budget, args):
+        started.append(system)
+        return {"system": system, "model": model, "budget_gb": budget, "status": "ok", "wall_s": 1.0}
+
+    monkeypatch.setattr(suite, "run_one", fake_run)
+    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    suite.main(["--models", "tiny", "--systems", "gpu_adamw,ours_offload_overlap,torchao_offload", "--again",
+                "--out", str(out), "--deadline", "100"])
+    assert started == ["ours_offload_overlap", "torchao_offload"]
+
+
 def test_report_lists_the_cells_of_the_grid_that_did_not_run():
     rows = [_row("ours_auto", settings="ours"), _row("gpu_adamw", budget=40, status="oom")]
     missing = report.not_run(rows)
