@@ -182,7 +182,7 @@ class Planner:
         (``prefetch``): the model prices every staged subgroup's way in inside the update, nor one whose CPU
         subgroups were updated during backward (``speculate``)."""
         self._observed += 1
-        ran = list(placements) if placements is not None else self.current.placements
+        ran = list(placements) if placements is not None else (self.current.placements if self.current else [])
         if self._observed > 1 and self.ahead_cap:
             self._learn_ahead(stats.speculated_elements, ran)
         self._ran_before = ran
