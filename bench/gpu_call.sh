@@ -12,6 +12,8 @@
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+[ -d /tmp/site/deepspeed ] || ls .whl/*.whl > /dev/null 2>&1 || {
+  echo "no peer wheels in .whl/: copy ../shared/wheels/*.whl there and pass carry [\".whl\"]"; exit 1; }
 [ -d /tmp/site/deepspeed ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
