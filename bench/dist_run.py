@@ -30,7 +30,8 @@ rank's median wall time of those, ``iter_mean_s`` the slowest rank's mean (an up
 ``step()`` would hide in a synchronize outside the timers). Aggregate update throughput: the model's params over the engine's own update time
 (ours; the rows before 2026-11-30's third session used the step phase) or the step phase (peers). Under
 speculate the engine's time leaves out the CPU work done during backward: ours' rows keep rank 0's elements
-of it per step (``updates_speculated_elements``, since the seventeenth session).
+of it per step (``updates_speculated_elements``, since the seventeenth session) and the staged subgroups of
+each update (``updates_staged``, since the eighteenth: the plan's moves).
 Thread counts: torchrun sets OMP_NUM_THREADS=1; the peers are given what their docs recommend (set
 OMP_NUM_THREADS to cores / local ranks when launching), ours sets its own (cores / local ranks).
 """
@@ -209,7 +210,7 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=params, settings=settings)
         ids = batch(micro_batch, seq, vocab, device)
-        phases, losses, updates, ahead = [], [], [], []
+        phases, losses, updates, ahead, staged = [], [], [], [], []
 
         def step() -> None:
             opt.step()
@@ -217,6 +218,7 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
             if finished is not None:
                 updates.append(round(finished.seconds, 4))
                 ahead.append(finished.speculated_elements)  # CPU work done during backward: not in its seconds
+                staged.append(finished.staged_subgroups)  # the plan it ran: where "auto"/"offload" moved
             opt.zero_grad()
 
         def iteration() -> None:
@@ -248,7 +250,7 @@ def run(system: str, preset: str, iters: int, warmup: int, micro_batch: int, seq
             median = statistics.median(updates[warmup + 1:])
             row.update(updates_s=updates, update_median_s=round(median, 4),
                        aggregate_update_median_Gparams_per_s=round(params / median / 1e9, 3),
-                       updates_speculated_elements=ahead)
+                       updates_speculated_elements=ahead, updates_staged=staged)
         row["sweep"] = {}
         for entry in sweep:  # the same job, other schedules (and CPU threads): where the chosen one stands
             schedule, _, threads = str(entry).partition("@")
