@@ -195,6 +195,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
+        self._ran_as_planned = True  # ... and they were the plan in force during its backward
         if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
             self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
             weakref.finalize(self, self._hook.remove)
@@ -603,6 +604,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._drop_ahead()
         # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
+        self._ran_as_planned = plan is streamed_for
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
@@ -630,7 +632,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._after_update(has_grad)
 
     def _after_update(self, has_grad: list[list[bool]]) -> None:
-        self.planner.observe(self.last_update, self._ran, overlapped=self.overlapper is not None)
+        self.planner.observe(self.last_update, self._ran, overlapped=self.overlapper is not None,
+                             planned_in_backward=self._ran_as_planned)
         self.layout.advance_steps(has_grad)
         self._expose_state()
 

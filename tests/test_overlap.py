@@ -481,8 +481,8 @@ def test_the_planner_is_told_which_updates_ran_beside_the_next_forward():
         opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, overlap=overlap)
         calls = seen.setdefault(overlap, [])
         real = opt.planner.observe
-        opt.planner.observe = lambda stats, placements=None, overlapped=False, calls=calls, real=real: (
-            calls.append(overlapped), real(stats, placements, overlapped))
+        opt.planner.observe = lambda stats, placements=None, overlapped=False, calls=calls, real=real, **kw: (
+            calls.append(overlapped), real(stats, placements, overlapped, **kw))
         _run(model, opt, torch.Generator().manual_seed(0), 3)
         opt.synchronize()
     assert seen == {True: [True] * 3, False: [False] * 3}

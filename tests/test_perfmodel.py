@@ -177,8 +177,8 @@ def test_a_plan_that_left_speculation_no_work_prices_the_spares_until_an_update_
     """An update that kept all the CPU work its plan gave (here none: every subgroup staged) shows only a
     floor: the plan then prices the spares' capacity, giving the CPU work to run ahead, until an update
     stops short of its plan's CPU work; from then on what updates kept is the head start, and a later
-    floor does not bring the capacity back. The first update of a new plan teaches nothing (its backward
-    ran ahead under the plan before). Without speculation (no capacity) nothing moves."""
+    floor does not bring the capacity back. An update whose backward ran under another plan teaches
+    nothing. Without speculation (no capacity) nothing moves."""
     sizes, cap = equal(60), int(16 * 25e6)
     link_bound = replace(H200_LIKE, cpu_engine=H200_LIKE.cpu_engine / 8,
                                      cpu_contended=H200_LIKE.cpu_contended / 8)
@@ -191,15 +191,14 @@ def test_a_plan_that_left_speculation_no_work_prices_the_spares_until_an_update_
     explored = planner.refresh()
     assert explored is not first and explored.prediction.staged < 60
     assert explored.placements == choose(sizes, link_bound, 2, ahead=cap)[0]
-    planner.observe(_telemetry(explored.placements, 0.1), overlapped=True)
-    assert planner.ahead == cap  # its backward ran ahead under the plan before: it teaches nothing
+    planner.observe(_telemetry(explored.placements, 0.1), overlapped=True, planned_in_backward=False)
+    assert planner.ahead == cap  # its backward ran under the plan before: it teaches nothing
     planner.observe(_telemetry(explored.placements, 0.1, speculated_elements=int(3 * 25e6)), overlapped=True)
     assert planner.ahead == 3 * 25e6  # speculation stopped short: what it kept is the head start
     settled = planner.refresh()
     assert settled.placements == choose(sizes, link_bound, 2, ahead=3 * 25e6)[0]
     on_cpu = (60 - settled.prediction.staged) * 25e6
-    for _ in range(2):
-        planner.observe(_telemetry(settled.placements, 0.1, speculated_elements=int(on_cpu)), overlapped=True)
+    planner.observe(_telemetry(settled.placements, 0.1, speculated_elements=int(on_cpu)), overlapped=True)
     assert planner.ahead == 3 * 25e6 and planner.refresh() is settled  # a floor again: the measure stays
     plain = _cuda_planner(monkeypatch, sizes, link_bound)
     plan = plain.plan("auto")

@@ -219,3 +219,32 @@ def test_speculate_input_is_checked():
         DeepOptimizerStates(mlp(), stream_grads=True, speculate=-1)
     with pytest.raises(ValueError, match="loss scaling"):
         DeepOptimizerStates(mlp(torch.float16), stream_grads=True, speculate=True)
+
+
+@pytest.mark.parametrize("stream_grads", [False, True])
+def test_the_planner_hears_whether_an_update_ran_the_plan_its_backward_ran_under(stream_grads):
+    """A plan made at a step runs at once when no gradient went down during backward; then what ran ahead
+    during that backward belongs to the plan before, and the planner is told so (it learns no head start
+    from that update). With gradients sent down, the step runs the plan they went for: told as planned."""
+    import dataclasses
+
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, stream_grads=stream_grads, schedule="cpu")
+    told, real_observe, real_refresh = [], opt.planner.observe, opt.planner.refresh
+    opt.planner.observe = lambda *a, planned_in_backward=True, **kw: (
+        told.append(planned_in_backward), real_observe(*a, planned_in_backward=planned_in_backward, **kw))
+
+    def refresh(*a, **kw):  # at the second step, a plan made again (a new object, same placements)
+        plan = real_refresh(*a, **kw)
+        if len(told) == 1:
+            opt.planner.current = plan = dataclasses.replace(plan)
+        return plan
+
+    opt.planner.refresh = refresh
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        opt.step()
+    opt.synchronize()
+    assert told == ([True, True, True] if stream_grads else [True, False, True])

@@ -90,7 +90,6 @@ class Planner:
         self.ahead_cap = ahead_cap
         self._ahead_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # CPU elements each update found done ahead
         self._ahead_floor = False  # an update kept all its plan's CPU work: a head start of unknown size
-        self._ran_before: list[Placement] | None = None  # what the update before the newest one ran
         self._planned_ahead = 0.0
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
@@ -172,8 +171,11 @@ class Planner:
         return self.rates if self._calibrated is not None else None
 
     def observe(self, stats: UpdateStats, placements: Sequence[Placement] | None = None,
-                overlapped: bool = False) -> None:
-        """Learn from a finished update that ran ``placements`` (default: the current plan's). Skips the first
+                overlapped: bool = False, planned_in_backward: bool = True) -> None:
+        """Learn from a finished update that ran ``placements`` (default: the current plan's), the plan in
+        force during its backward if ``planned_in_backward`` (else what ran ahead then says nothing of this
+        plan's head start: a plan made at the step runs at once when no gradient went down during backward,
+        as when the plan before staged everything). Skips the first
         update (one-off costs) and never calibrates for it: a fixed schedule uses the cached rates if any.
         An update that ran beside the next forward and backward (``overlapped``) teaches nothing: its times
         show their contention, not the rates of an update the model prices; learning from them moved the
@@ -183,9 +185,8 @@ class Planner:
         subgroups were updated during backward (``speculate``)."""
         self._observed += 1
         ran = list(placements) if placements is not None else (self.current.placements if self.current else [])
-        if self._observed > 1 and self.ahead_cap:
+        if self._observed > 1 and self.ahead_cap and planned_in_backward:
             self._learn_ahead(stats.speculated_elements, ran)
-        self._ran_before = ran
         if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched or stats.speculated:
             return
         if self._calibrated is None:
@@ -200,10 +201,7 @@ class Planner:
 
     def _learn_ahead(self, kept: int, ran: list[Placement]) -> None:
         """What an update that ran ``ran`` and found ``kept`` CPU elements done during backward says of the
-        head start. Nothing when its plan is not the one before it (its backward ran ahead under that one);
-        a floor when it kept all the CPU work its plan gave, short of the spares' capacity."""
-        if ran != self._ran_before:
-            return
+        head start: a floor when it kept all the CPU work its plan gave, short of the spares' capacity."""
         on_cpu = sum(n for n, p in zip(self.sizes, ran) if p is Placement.CPU)
         if on_cpu <= kept < self.ahead_cap:
             self._ahead_floor = True
