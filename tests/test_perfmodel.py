@@ -180,8 +180,7 @@ def test_a_plan_that_left_speculation_no_work_prices_the_spares_until_an_update_
     floor does not bring the capacity back. An update whose backward ran under another plan teaches
     nothing. Without speculation (no capacity) nothing moves."""
     sizes, cap = equal(60), int(16 * 25e6)
-    link_bound = replace(H200_LIKE, cpu_engine=H200_LIKE.cpu_engine / 8,
-                                     cpu_contended=H200_LIKE.cpu_contended / 8)
+    link_bound = replace(H200_LIKE, cpu_engine=H200_LIKE.cpu_engine / 8, cpu_contended=H200_LIKE.cpu_contended / 8)
     planner = _cuda_planner(monkeypatch, sizes, link_bound, ahead_cap=cap)
     first = planner.plan("auto")
     assert first.prediction.staged == 60  # the CPU is too slow to take any subgroup in the update itself
