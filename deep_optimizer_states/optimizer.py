@@ -175,12 +175,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._room_ahead = 0  # this step's GPU bytes for them
         self.residents.before_evict = _weak(self._note_eviction)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
+        largest = max((sg.numel for sg in self.layout.subgroups), default=0)  # elements of the largest subgroup
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
                                budget=MemoryBudget(gpu_memory_budget, probe),
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device),
                                bf16=self.engine.bf16_kernel is not None
                                and all(sg.bf16 for sg in self.layout.subgroups),
-                               ahead_cap=speculate * max((sg.numel for sg in self.layout.subgroups), default=0))
+                               ahead_cap=speculate * largest)
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed), self.engine.takes_bf16)
                             if stream_grads else None)
@@ -189,8 +190,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.speculation: Speculation | None = None
         self._speculating = True  # off for the step after one whose gradients were clipped (undone)
         if speculate:
-            self.speculation = Speculation(speculate, max((sg.numel for sg in self.layout.subgroups), default=0),
-                                           local_ranks(), self.engine, LAUNCH_CORES if self.device.type == "cuda" else 0)
+            self.speculation = Speculation(speculate, largest, local_ranks(), self.engine,
+                                           LAUNCH_CORES if self.device.type == "cuda" else 0)
             self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None
