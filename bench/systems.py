@@ -57,14 +57,16 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
          spare_cores: int = 0, checkpointing: bool = False,
          path_threads: int | None = None, prefetch: bool = False,
-         speculate: bool | int = False, bf16_cpu_path: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+         speculate: bool | int = False, bf16_cpu_path: bool = False,
+         subgroup_size: int | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
     ``path_threads`` runs the CPU path's AdamW on that many threads after planning (the plan is unchanged:
     does a throttled CPU leave the staged copies more host memory bandwidth?); ``prefetch`` fills the staged
     subgroups' slots during backward; ``speculate`` runs the CPU path's update ahead during backward;
-    ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel)."""
+    ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel);
+    ``subgroup_size``: elements per subgroup (the optimizer's default when None)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
@@ -73,7 +75,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
                                   stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,
                                   cpu_threads=threads, prefetch=prefetch, speculate=speculate,
-                                  bf16_cpu_path=bf16_cpu_path)
+                                  bf16_cpu_path=bf16_cpu_path,
+                                  **({} if subgroup_size is None else {"subgroup_size": subgroup_size}))
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
 
@@ -126,7 +129,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
                        f"max_grad_norm={max_grad_norm}, cpu_threads={threads}, prefetch={prefetch}, "
-                       f"speculate={speculate}, bf16_cpu_path={bf16_cpu_path}), "
+                       f"speculate={speculate}, bf16_cpu_path={bf16_cpu_path}"
+                       + ("" if subgroup_size is None else f", subgroup_size={subgroup_size}") + "), "
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host")
@@ -267,6 +271,16 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,
                                              bf16_cpu_path=True),
+    # half the default subgroup (12.5M elements): a shorter pipeline fill and drain around each lane, finer
+    # run-ahead, against more per-subgroup launches (1.36B, H200 call 19: the update took 0.034 s more than
+    # its busiest lane)
+    "ours_offload_overlap_spec_bf16_sg12": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                bf16_cpu_path=True, subgroup_size=12_500_000),
+    "ours_offload_overlap_spec_prefetch_bf16_sg12": ours("offload", stream_grads=True, overlap=True,
+                                                         speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                         subgroup_size=12_500_000),
+    "ours_offload_overlap_clip_gathered_sg12": ours("offload", overlap=True, max_grad_norm=CLIP,
+                                                    subgroup_size=12_500_000),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),
