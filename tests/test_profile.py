@@ -57,3 +57,27 @@ def test_memory_is_sampled_by_a_thread_through_the_update(tmp_path):
     assert (tmp_path / "memory.png").stat().st_size > 10_000
     counters = [e for e in prof._chrome_trace(phases, [], clock.memory)["traceEvents"] if e["ph"] == "C"]
     assert len(counters) == len(clock.memory) and set(counters[0]["args"]) == {"allocated GB", "reserved GB"}
+
+
+def test_profile_runs_ahead_with_streamed_gradients_and_records_the_ops(tmp_path):
+    """With ``stream_grads`` and ``speculate`` the CPU subgroups' updates run during backward (the update
+    then takes them as done), and ``kernels`` writes torch.profiler's trace of the iteration, backward's ops
+    among them."""
+    result = profile("tiny", iterations=2, schedule=2, seq=32, out=tmp_path, stream_grads=True, speculate=True,
+                     kernels=True)
+    assert result["speculated"] > 0
+    events = json.loads((tmp_path / "kernels.json").read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any("backward" in n.lower() for n in names) and any(n.startswith("aten::") for n in names)
+    plain = profile("tiny", iterations=2, schedule=2, seq=32, out=tmp_path / "plain")
+    assert plain["speculated"] == 0 and plain["kernels"] is None and not (tmp_path / "plain" / "kernels.json").exists()
+
+
+def test_dos_profile_refuses_speculate_without_streamed_gradients(tmp_path, capsys):
+    import pytest
+
+    from deep_optimizer_states.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["profile", "--speculate", "--out", str(tmp_path)])
+    assert "--speculate needs --stream-grads" in capsys.readouterr().err

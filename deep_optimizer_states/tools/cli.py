@@ -152,9 +152,13 @@ def _profile(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     result = profile(args.model or ("1.36b" if gpu else "tiny"), args.iterations, args.schedule,
                      args.micro_batch or (4 if gpu else 2), args.seq or (1024 if gpu else 128), out=args.out,
-                     gpu_memory_budget=_gib(args.gpu_memory_budget))
+                     gpu_memory_budget=_gib(args.gpu_memory_budget), subgroup_size=args.subgroup_size,
+                     stream_grads=args.stream_grads, speculate=args.speculate, bf16_cpu_path=args.bf16_cpu_path,
+                     kernels=args.kernels)
     phases = ", ".join(f"{name} {s * 1e3:.1f} ms" for name, s in result["phases"].items())
     print(f"{phases}\ntimeline: {result['png']}\ntrace (Perfetto, chrome://tracing): {result['trace']}")
+    if result["kernels"]:
+        print(f"ops and kernels (torch.profiler, Perfetto): {result['kernels']}")
     return 0
 
 
@@ -426,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
     profile.add_argument("--out", default="profile", help="folder for timeline.png and trace.json")
     profile.add_argument("--gpu-memory-budget", type=positive_float, default=None, metavar="GiB",
                          help="GPU memory budget, model included (default: the device less a margin)")
+    profile.add_argument("--subgroup-size", type=positive_int, default=None,
+                         help="elements per subgroup (default: a sixteenth of the model)")
+    profile.add_argument("--stream-grads", action="store_true", help="the CPU path's gradients leave in backward")
+    profile.add_argument("--speculate", action="store_true",
+                         help="the CPU path's update runs ahead in backward (needs --stream-grads)")
+    profile.add_argument("--bf16-cpu-path", action="store_true", help="the CPU path reads bf16 gradients")
+    profile.add_argument("--kernels", action="store_true",
+                         help="also record the last iteration with torch.profiler (kernels.json)")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:] or ["train"])
     if args.command == "train":
         from .train import UsageError, train as run_training
@@ -436,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
             train.error(str(e))
     if args.command == "check" and args.device == "cuda" and not torch.cuda.is_available():
         check.error("--device cuda: no CUDA device here")
+    if args.command == "profile" and args.speculate and not args.stream_grads:
+        profile.error("--speculate needs --stream-grads: the CPU path runs ahead from the gradient hooks")
     commands = {"check": _check, "bench": _bench, "calibrate": _calibrate, "plan": _plan, "profile": _profile}
     return commands[args.command](args)
 

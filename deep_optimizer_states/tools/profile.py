@@ -4,6 +4,10 @@ The picture (PNG) has one row per phase and per lane of the update: the GPU stre
 stage in, GPU AdamW, stage out) and the CPU worker's AdamW, each subgroup a bar, with the GPU memory
 allocated over the iteration beneath (on a GPU). The same timeline is written as a Chrome trace (JSON) that
 opens in Perfetto or chrome://tracing for zooming. This is where the interleaving shows at a glance.
+
+``kernels=True`` also records the last iteration with torch.profiler (every op on the CPU threads, every
+kernel and copy on the GPU streams) into kernels.json: where backward spends its time while gradients
+stream down (``stream_grads``) and the CPU path runs ahead (``speculate``), which the lanes above do not show.
 """
 
 from __future__ import annotations
@@ -97,14 +101,21 @@ def _memory_hooks(model: torch.nn.Module, clock: _Clock) -> list:
 
 def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "auto", micro_batch: int = 2,
             seq: int = 128, device: str | None = None, out: str | Path = "profile",
-            gpu_memory_budget: int | float | None = None) -> dict:
+            gpu_memory_budget: int | float | None = None, subgroup_size: int | None = None,
+            stream_grads: bool = False, speculate: bool | int = False, bf16_cpu_path: bool = False,
+            kernels: bool = False) -> dict:
     """Train ``iterations`` iterations of the ``preset`` Llama on random tokens and write the last one's
-    timeline to ``out``/timeline.png and ``out``/trace.json; returns the phases and paths."""
+    timeline to ``out``/timeline.png and ``out``/trace.json (and, with ``kernels``, its torch.profiler
+    trace to ``out``/kernels.json); returns the phases and paths. ``subgroup_size``: default a sixteenth
+    of the model; the other options are the optimizer's."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = llama(preset, torch.bfloat16, dev)
     opt = DeepOptimizerStates(model, lr=1e-4, weight_decay=0.01, schedule=schedule,
-                              gpu_memory_budget=gpu_memory_budget,
-                              subgroup_size=max(64, sum(p.numel() for p in model.parameters()) // 16))
+                              gpu_memory_budget=gpu_memory_budget, stream_grads=stream_grads,
+                              speculate=speculate, bf16_cpu_path=bf16_cpu_path,
+                              subgroup_size=subgroup_size or max(64, sum(p.numel() for p in model.parameters()) // 16))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     for i in range(iterations):
@@ -112,7 +123,8 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
         opt.engine.trace = last
         clock = _Clock(dev)
         handles = _memory_hooks(model, clock) if last else []
-        with clock.sampling() if last else contextlib.nullcontext():
+        recording = _kernels(dev) if last and kernels else contextlib.nullcontext()
+        with recording as recorder, clock.sampling() if last else contextlib.nullcontext():
             clock.sample()
             loss = model(input_ids=ids, labels=ids).loss
             clock.sync()
@@ -129,8 +141,8 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
             h.remove()
     phases = [("forward", 0.0, t_fwd), ("backward", t_fwd, t_bwd), ("update", t_bwd, t_upd)]
     blocks = [{**b, "start": b["start"] + t_bwd, "end": b["end"] + t_bwd} for b in opt.last_update.timeline]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if kernels:
+        recorder.export_chrome_trace(str(out / "kernels.json"))
     trace = _chrome_trace(phases, blocks, clock.memory)
     (out / "trace.json").write_text(json.dumps(trace))
     u = opt.last_update
@@ -142,7 +154,16 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
     _figure(phases, blocks, clock.memory, title, out / "timeline.png")
     opt.close()
     return {"phases": {name: round(b - a, 6) for name, a, b in phases}, "png": str(out / "timeline.png"),
-            "trace": str(out / "trace.json"), "blocks": len(blocks)}
+            "trace": str(out / "trace.json"), "blocks": len(blocks), "speculated": u.speculated,
+            "kernels": str(out / "kernels.json") if kernels else None}
+
+
+def _kernels(device: torch.device) -> torch.profiler.profile:
+    """torch.profiler over the CPU threads, and the GPU's streams where there is one."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities)
 
 
 def _chrome_trace(phases, blocks, memory) -> dict:
