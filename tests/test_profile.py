@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from deep_optimizer_states.tools.profile import LANES, profile
 
 
@@ -74,8 +76,6 @@ def test_profile_runs_ahead_with_streamed_gradients_and_records_the_ops(tmp_path
 
 
 def test_dos_profile_refuses_speculate_without_streamed_gradients(tmp_path, capsys):
-    import pytest
-
     from deep_optimizer_states.tools.cli import main
 
     with pytest.raises(SystemExit):
