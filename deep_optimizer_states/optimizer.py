@@ -448,7 +448,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         # the last update (overlap) is at most flushing its last staged subgroups: wait for it to end, as step()
         # would, so that its host states are final and its step counts counted (the GPU runs the backward
         # already queued meanwhile). Skipping instead missed the first subgroups backward makes final.
-        self.synchronize()
+        with self.grad_stream.annotated("dos.wait_last_update"):
+            self.synchronize()
         if sg in self.residents:
             return  # a resident of an older plan: its states are on the GPU until the step evicts them
         group = self.param_groups[sg.group_index]

@@ -71,6 +71,13 @@ def test_profile_runs_ahead_with_streamed_gradients_and_records_the_ops(tmp_path
     events = json.loads((tmp_path / "kernels.json").read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any("backward" in n.lower() for n in names) and any(n.startswith("aten::") for n in names)
+    summary = result["kernel_summary"]
+    assert set(summary) == {"forward", "backward", "step"} and all(k["wall_ms"] > 0 for k in summary.values())
+    from deep_optimizer_states.tools.models import llama
+
+    params = sum(p.requires_grad for p in llama("tiny").parameters())
+    assert summary["backward"]["grad_hooks"] == params and summary["backward"]["grad_hooks_ms"] > 0
+    assert summary["forward"]["grad_hooks"] == summary["step"]["grad_hooks"] == 0
     plain = profile("tiny", iterations=2, schedule=2, seq=32, out=tmp_path / "plain")
     assert plain["speculated"] == 0 and plain["kernels"] is None and not (tmp_path / "plain" / "kernels.json").exists()
 
@@ -81,3 +88,26 @@ def test_dos_profile_refuses_speculate_without_streamed_gradients(tmp_path, caps
     with pytest.raises(SystemExit):
         main(["profile", "--speculate", "--out", str(tmp_path)])
     assert "--speculate needs --stream-grads" in capsys.readouterr().err
+
+
+def test_kernel_summary_merges_each_streams_work_inside_each_phase():
+    """A GPU trace, written out by hand: per phase, each stream's busy time counts overlapping kernels and
+    copies once and only their part inside the phase; the gradient hooks and their waits are summed."""
+    from deep_optimizer_states.tools.profile import kernel_summary
+
+    def span(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    events = [span("user_annotation", "dos.forward", 0, 100), span("user_annotation", "dos.backward", 100, 200),
+              span("kernel", "gemm", 90, 30, stream=7),  # 20 of its 30 us inside backward
+              span("kernel", "gemm", 115, 40, stream=7), span("kernel", "add", 130, 10, stream=7),  # overlapped
+              span("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 150, 100, stream=20),
+              span("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 280, 50, stream=20),  # 20 us inside
+              span("user_annotation", "dos.grad_hook", 120, 5), span("user_annotation", "dos.grad_hook", 200, 7),
+              span("user_annotation", "dos.wait_last_update", 201, 3), span("cpu_op", "aten::mm", 110, 50)]
+    out = kernel_summary(events)
+    back = out["backward"]
+    assert back["wall_ms"] == 0.2 and back["grad_hooks"] == 2 and back["waits_ms"] == 0.003
+    assert abs(back["grad_hooks_ms"] - 0.012) < 1e-12
+    assert back["stream_busy_ms"] == {"7": 0.055, "20": 0.12}  # [100, 155] and [150, 250] + [280, 300]
+    assert out["forward"]["stream_busy_ms"] == {"7": 0.01} and out["forward"]["grad_hooks"] == 0

@@ -43,6 +43,7 @@ class GradStream:
         self.sent = 0  # subgroups sent down since the optimizer was built (telemetry)
         self.after_grad: Callable[[], None] | None = None  # told after each final gradient (prefetch fills)
         self.after_send: Callable[[Subgroup], None] | None = None  # told as a subgroup's gradients go down
+        self.annotate = False  # name the hooks' spans for torch.profiler (`dos profile --kernels`)
         self._ref = weakref.ref(self)
         hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
         params = [p for b in layout.buckets for p in b.params]
@@ -77,10 +78,18 @@ class GradStream:
         finally:
             self.final = before
 
+    def annotated(self, name: str) -> contextlib.AbstractContextManager:
+        """A span named ``name`` in torch.profiler's trace while ``annotate`` (else nothing, at no cost)."""
+        return torch.profiler.record_function(name) if self.annotate else contextlib.nullcontext()
+
     @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.final or p.grad is None or _OWNER.get(id(p)) is not self._ref:
             return
+        with self.annotated("dos.grad_hook"):
+            self._final_grad(p)
+
+    def _final_grad(self, p: torch.Tensor) -> None:
         if id(p) in self.norms:
             raise RuntimeError("a second backward reached gradients that stream_grads has already treated as final "
                                "(the first one's may have left the GPU): run the backward of every micro-batch but "

@@ -159,6 +159,10 @@ def _profile(args: argparse.Namespace) -> int:
     print(f"{phases}\ntimeline: {result['png']}\ntrace (Perfetto, chrome://tracing): {result['trace']}")
     if result["kernels"]:
         print(f"ops and kernels (torch.profiler, Perfetto): {result['kernels']}")
+        for phase, k in result["kernel_summary"].items():
+            busy = ", ".join(f"stream {s} {ms:.1f}" for s, ms in k["stream_busy_ms"].items()) or "no GPU streams"
+            print(f"  {phase}: {k['wall_ms']:.1f} ms; busy ms: {busy}; {k['grad_hooks']} gradient hooks "
+                  f"{k['grad_hooks_ms']:.1f} ms, waiting for the last update {k['waits_ms']:.1f} ms")
     return 0
 
 

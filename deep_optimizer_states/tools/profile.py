@@ -8,6 +8,8 @@ opens in Perfetto or chrome://tracing for zooming. This is where the interleavin
 ``kernels=True`` also records the last iteration with torch.profiler (every op on the CPU threads, every
 kernel and copy on the GPU streams) into kernels.json: where backward spends its time while gradients
 stream down (``stream_grads``) and the CPU path runs ahead (``speculate``), which the lanes above do not show.
+``kernel_summary`` reads it back per phase: the wall, each GPU stream's busy time, and the CPU time of the
+gradient hooks and of their waits for the last update.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import json
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 from typing import Iterator
 
@@ -116,6 +119,8 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
                               subgroup_size=subgroup_size or max(64, sum(p.numel() for p in model.parameters()) // 16))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if opt.grad_stream is not None:
+        opt.grad_stream.annotate = kernels
     ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq), generator=torch.Generator().manual_seed(0))
     ids = ids.to(dev)
     for i in range(iterations):
@@ -126,14 +131,17 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
         recording = _kernels(dev) if last and kernels else contextlib.nullcontext()
         with recording as recorder, clock.sampling() if last else contextlib.nullcontext():
             clock.sample()
-            loss = model(input_ids=ids, labels=ids).loss
-            clock.sync()
+            with torch.profiler.record_function("dos.forward"):
+                loss = model(input_ids=ids, labels=ids).loss
+                clock.sync()
             t_fwd = clock.now()
-            loss.backward()
-            clock.sync()
+            with torch.profiler.record_function("dos.backward"):
+                loss.backward()
+                clock.sync()
             t_bwd = clock.now()
-            opt.step()
-            clock.sync()
+            with torch.profiler.record_function("dos.step"):
+                opt.step()
+                clock.sync()
             t_upd = clock.now()
             clock.sample()
         opt.zero_grad()
@@ -141,8 +149,10 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
             h.remove()
     phases = [("forward", 0.0, t_fwd), ("backward", t_fwd, t_bwd), ("update", t_bwd, t_upd)]
     blocks = [{**b, "start": b["start"] + t_bwd, "end": b["end"] + t_bwd} for b in opt.last_update.timeline]
+    summary = None
     if kernels:
         recorder.export_chrome_trace(str(out / "kernels.json"))
+        summary = kernel_summary(json.loads((out / "kernels.json").read_text())["traceEvents"])
     trace = _chrome_trace(phases, blocks, clock.memory)
     (out / "trace.json").write_text(json.dumps(trace))
     u = opt.last_update
@@ -155,7 +165,46 @@ def profile(preset: str = "tiny", iterations: int = 3, schedule: Schedule = "aut
     opt.close()
     return {"phases": {name: round(b - a, 6) for name, a, b in phases}, "png": str(out / "timeline.png"),
             "trace": str(out / "trace.json"), "blocks": len(blocks), "speculated": u.speculated,
-            "kernels": str(out / "kernels.json") if kernels else None}
+            "kernels": str(out / "kernels.json") if kernels else None, "kernel_summary": summary}
+
+
+PHASES = ("forward", "backward", "step")
+
+
+def kernel_summary(events: list[dict]) -> dict:
+    """Per phase of a ``kernels`` trace: its wall (ms, GPU work included: profile synchronises each), each
+    GPU stream's busy time inside it (kernels, copies and memsets, overlaps merged), and the count and CPU
+    time of the gradient hooks (``dos.grad_hook``) and of their waits for the last update."""
+    spans = {e["name"][4:]: (e["ts"], e["ts"] + e["dur"]) for e in events
+             if e.get("cat") == "user_annotation" and e.get("name", "")[4:] in PHASES and "dur" in e}
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    out = {}
+    for phase, (a, b) in spans.items():
+        streams = defaultdict(list)
+        for e in gpu:
+            start, end = max(e["ts"], a), min(e["ts"] + e["dur"], b)
+            if end > start:
+                streams[str(e.get("args", {}).get("stream"))].append((start, end))
+
+        def annotated(name: str) -> list[float]:
+            return [e["dur"] for e in events if e.get("cat") == "user_annotation" and e.get("name") == name
+                    and a <= e["ts"] < b and "dur" in e]
+
+        hooks, waits = annotated("dos.grad_hook"), annotated("dos.wait_last_update")
+        out[phase] = {"wall_ms": (b - a) / 1e3,
+                      "stream_busy_ms": {k: _covered(v) / 1e3 for k, v in sorted(streams.items())},
+                      "grad_hooks": len(hooks), "grad_hooks_ms": sum(hooks) / 1e3, "waits_ms": sum(waits) / 1e3}
+    return out
+
+
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals``."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _kernels(device: torch.device) -> torch.profiler.profile:
