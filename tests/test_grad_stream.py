@@ -309,3 +309,46 @@ def test_only_empty_params_stream_nothing_and_step():
     opt.zero_grad()
     model(torch.zeros(2, 0)).sum().backward()
     opt.step()
+
+
+def test_norms_are_taken_in_batches_as_subgroups_go_down_and_as_backward_ends(monkeypatch):
+    """A norm call per gradient cost backward's launching thread three kernel launches each (H200 call 22):
+    the norms are taken in one call per batch, before any gradient of the batch goes down, and those left
+    when backward ends are taken then, so every final gradient has its norm before step()."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, stream_grads=True)
+    opt.schedule = [Placement.CPU if i % 2 else Placement.STAGED for i in range(len(opt.layout.subgroups))]
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append(len(ts)) or real(ts, *a, **k))
+    loss_of(model, torch.Generator().manual_seed(0)).backward()
+    params = list(model.parameters())
+    sent = opt.grad_stream.sent
+    assert 0 < sent < len(opt.layout.subgroups)
+    assert len(calls) <= sent + 1 < len(params) and sum(calls) == len(params)
+    assert set(opt.grad_stream.norms) == {id(p) for p in params}
+    for p in params:
+        if p.grad is not None:
+            assert torch.equal(opt.grad_stream.norms[id(p)], real([p.grad], 2, dtype=torch.float32)[0])
+    opt.step()
+
+
+def test_a_hook_run_outside_backward_takes_its_norm_at_once():
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, stream_grads=True)
+    p = next(model.parameters())
+    p.grad = torch.randn_like(p)
+    opt.grad_stream._on_grad(p)
+    torch.testing.assert_close(opt.grad_stream.norms[id(p)], p.grad.norm(), rtol=0, atol=0)
+
+
+def test_norms_of_mixed_dtypes_are_taken_per_dtype_in_order():
+    from deep_optimizer_states.core.grad_scaling import norms_fp32
+
+    gen = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=gen).to(dt) for n, dt in
+             [(5, torch.bfloat16), (7, torch.float32), (3, torch.bfloat16), (0, torch.float32)]]
+    got = norms_fp32(grads)
+    assert [n.dtype for n in got] == [torch.float32] * 4
+    for g, n in zip(grads, got):
+        assert torch.equal(n, torch._foreach_norm([g], 2, dtype=torch.float32)[0])

@@ -18,8 +18,22 @@ def total_norm(grads: list[torch.Tensor], device: torch.device | None = None,
     With a process group (FSDP2), ``grads`` are this rank's shards: the squares are summed over the ranks,
     so every rank gets the norm of the whole model's gradient (and skips or clips alike).
     """
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []  # each in fp32, whatever its dtype
-    return combine_norms(norms, device, group)
+    return combine_norms(norms_fp32(grads), device, group)
+
+
+def norms_fp32(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in fp32, whatever its dtype, by torch's fused kernel: one call per (device,
+    dtype), as clip_grad_norm_ groups them (a mixed list would take the per-tensor fallback, whose bits may
+    differ). A tensor's norm does not depend on the others in its call, so norms taken in batches as
+    gradients land (``stream_grads``) equal those taken all at once."""
+    out: list[torch.Tensor | None] = [None] * len(grads)
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    for idx in groups.values():
+        for i, n in zip(idx, torch._foreach_norm([grads[i] for i in idx], 2, dtype=torch.float32)):
+            out[i] = n
+    return out
 
 
 def combine_norms(norms: list[torch.Tensor], device: torch.device | None = None,

@@ -6,8 +6,10 @@ of a CPU-placed subgroup is final, the subgroup's gradients are gathered and up-
 buffer on a side stream and copied down into its pinned ``grad32`` while backward goes on; a param whose
 subgroups are all on their way gives its gradient back to the allocator (``p.grad = None``, the memory
 kept for the side stream until its copy has run). So the GPU never holds the CPU path's gradients all at
-once. Each final gradient's L2 norm is taken as it lands, in fp32, so the global norm (clipping, the
-inf/nan check) is ready when backward ends; the clip and unscale factors are applied to the landed fp32
+once. Each final gradient's L2 norm is taken in fp32 before it can leave, in batches (one ``_foreach_norm``
+over the gradients final since the last batch, as a subgroup goes down and as backward ends: a call per
+gradient would cost backward's launching thread three kernel launches each), so the global norm (clipping,
+the inf/nan check) is ready when backward ends; the clip and unscale factors are applied to the landed fp32
 gradients on the host, the same IEEE multiplies the GPU path does. Staged and resident subgroups keep
 their gradients on the GPU.
 """
@@ -20,6 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .grad_scaling import norms_fp32
 from .layout import Layout, Subgroup, local
 
 
@@ -60,6 +63,8 @@ class GradStream:
         self.landed: dict[int, object] = {}  # subgroup index -> event: its fp32 gradients are on the host
         self.norms: dict[int, torch.Tensor] = {}  # id(param) -> L2 norm of its final gradient (fp32)
         self.versions: dict[int, int] = {}  # id(param) -> its final gradient's version counter then
+        self._unmeasured: list[torch.Tensor] = []  # params with a final gradient whose norm is not taken yet
+        self._measure_queued = False  # the end of this backward will take the norms left
         self.taken: set[int] = set()  # id(param): gradient given back after its subgroups went down
         self._buffer = None
 
@@ -90,18 +95,21 @@ class GradStream:
             self._final_grad(p)
 
     def _final_grad(self, p: torch.Tensor) -> None:
-        if id(p) in self.norms:
+        if id(p) in self.versions:
             raise RuntimeError("a second backward reached gradients that stream_grads has already treated as final "
                                "(the first one's may have left the GPU): run the backward of every micro-batch but "
                                "the last under `with opt.accumulating():`, or call opt.zero_grad() between steps")
-        g = local(p.grad)
-        self.norms[id(p)] = _norm(g)
-        self.versions[id(p)] = g._version
+        self.versions[id(p)] = local(p.grad)._version
+        self._unmeasured.append(p)
+        if not self._measure_queued:
+            self._queue_measure()
         done = []
         for sg in self._subgroups_of[id(p)]:
             self.waiting[sg.index] -= 1
             if self.waiting[sg.index] == 0 and self.is_cpu_placed(sg.index):
                 done.append(sg)
+        if done:
+            self._measure()  # before any of these gradients goes down or is given back
         for sg in done:
             self._send(sg)
             if self.after_send is not None:
@@ -111,6 +119,22 @@ class GradStream:
         self._give_back(p)
         if self.after_grad is not None:
             self.after_grad()
+
+    def _queue_measure(self) -> None:
+        """Take the norms left when this backward ends (now, when no backward runs: a hook called by hand)."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(_weak_measure(self._ref))
+            self._measure_queued = True
+        except RuntimeError:
+            self._measure()
+
+    def _measure(self) -> None:
+        """The norms of the final gradients not measured yet, in one kernel call per dtype (the one
+        ``grad_scaling.total_norm`` uses, so both paths clip alike)."""
+        params = [p for p in self._unmeasured if p.grad is not None]
+        self._unmeasured = []
+        if params:
+            self.norms.update(zip(map(id, params), norms_fp32([local(p.grad) for p in params])))
 
     def _give_back(self, p: torch.Tensor) -> None:
         """Free ``p``'s gradient once it is final and every subgroup holding it has gone down."""
@@ -151,11 +175,11 @@ class GradStream:
         if not self.landed:
             return None
         suspects = [p for b in self.layout.buckets for p in b.params
-                    if p.grad is not None and id(p) in self.versions and id(p) not in self.taken
+                    if p.grad is not None and id(p) in self.norms and id(p) not in self.taken
                     and local(p.grad)._version != self.versions[id(p)]]
         if not suspects:
             return None
-        now = torch.stack(torch._foreach_norm([local(p.grad) for p in suspects], 2, dtype=torch.float32))
+        now = torch.stack(norms_fp32([local(p.grad) for p in suspects]))
         then = torch.stack([self.norms[id(p)] for p in suspects])
         moved = (now.view(torch.int32) != then.view(torch.int32)).tolist()  # bits: a NaN equals itself
         return next((f"param of shape {tuple(p.shape)}" for p, m in zip(suspects, moved) if m), None)
@@ -165,20 +189,21 @@ class GradStream:
         return id(p) in self.taken or p.grad is not None
 
     def grad_norms(self) -> list[torch.Tensor]:
-        """The L2 norm of every param's gradient this step, in layout order: taken as it landed, or now."""
-        out = []
-        for b in self.layout.buckets:
-            for p in b.params:
-                if id(p) in self.taken:
-                    out.append(self.norms[id(p)])
-                elif p.grad is not None:  # still here: read now (a caller may have changed it since)
-                    out.append(_norm(local(p.grad)))
-        return out
+        """The L2 norm of every param's gradient this step, in layout order: taken as it landed, or now (in one
+        kernel call: a caller may have changed a gradient still here since)."""
+        params = [p for b in self.layout.buckets for p in b.params if id(p) in self.taken or p.grad is not None]
+        now = [p for p in params if id(p) not in self.taken]
+        measured = dict(zip(map(id, now), norms_fp32([local(p.grad) for p in now])))
+        return [self.norms[id(p)] if id(p) in self.taken else measured[id(p)] for p in params]
 
 
-def _norm(g: torch.Tensor) -> torch.Tensor:
-    """The L2 norm in fp32 by the kernel ``grad_scaling.total_norm`` uses, so both paths clip alike."""
-    return torch._foreach_norm([g], 2, dtype=torch.float32)[0]
+def _weak_measure(ref: "weakref.ref[GradStream]") -> Callable[[], None]:
+    def measure() -> None:
+        stream = ref()
+        if stream is not None:
+            stream._measure_queued = False
+            stream._measure()
+    return measure
 
 
 def _weak_hook(ref: "weakref.ref[GradStream]") -> Callable[[torch.Tensor], None]:
