@@ -2,7 +2,7 @@
 gradient hooks doing less and less, against the same backward with the gradients gathered at the step.
 
     python3 -m bench.stream_backward [--model 1.36b] [--iters 5] [--bf16-cpu-path] [--speculate]
-                                     [--launch-cores N] [--variants gathered,stream]
+                                     [--launch-share F] [--variants gathered,stream]
 
 Variants, each on a fresh optimizer over the same model and batch (schedule "offload", every subgroup's
 update on the CPU path, the case where every gradient streams):
@@ -56,15 +56,16 @@ def _timed_hooks(variant: str) -> tuple[list[float], object]:
 
 
 def run(preset: str, iters: int, warmup: int, bf16_cpu_path: bool, speculate: bool,
-        variants: tuple[str, ...] = VARIANTS, launch_cores: int | None = None) -> list[dict]:
+        variants: tuple[str, ...] = VARIANTS, launch_share: float | None = None) -> list[dict]:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     model = llama(preset, torch.bfloat16, dev)
     n = sum(p.numel() for p in model.parameters())
-    ids = torch.randint(0, model.config.vocab_size, (4, 1024) if dev.type == "cuda" else (2, 64), generator=torch.Generator().manual_seed(0)).to(dev)
+    shape = (4, 1024) if dev.type == "cuda" else (2, 64)
+    ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0)).to(dev)
     rows = []
-    if launch_cores is not None:
-        optimizer_module.LAUNCH_CORES = launch_cores
+    if launch_share is not None:
+        optimizer_module.LAUNCH_SHARE = launch_share
     for variant in variants:
         stream = variant != "gathered"
         spent, undo = _timed_hooks(variant) if stream else ([], lambda: None)
@@ -91,13 +92,14 @@ def run(preset: str, iters: int, warmup: int, bf16_cpu_path: bool, speculate: bo
                     step.append(t2 - t1)
                     hooks.append(hooks_s)
             spec = getattr(opt, "speculation", None)
-            ahead = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off} if spec else None
+            ahead = (None if spec is None
+                     else {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off})
         finally:
             undo()
             opt.close()
         row = {"variant": variant, "model": preset, "params": n, "bf16_cpu_path": bf16_cpu_path,
                "speculate": speculate and variant == "stream",
-               "launch_cores": optimizer_module.LAUNCH_CORES, "backward_s": statistics.median(backward),
+               "launch_share": optimizer_module.LAUNCH_SHARE, "backward_s": statistics.median(backward),
                "hooks_s": statistics.median(hooks), "step_s": statistics.median(step),
                "backward_all_s": [round(b, 4) for b in backward], "run_ahead": ahead}
         print(json.dumps(row), flush=True)
@@ -112,13 +114,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bf16-cpu-path", action="store_true")
     ap.add_argument("--speculate", action="store_true")
-    ap.add_argument("--launch-cores", type=int)
+    ap.add_argument("--launch-share", type=float)
     ap.add_argument("--variants", default=",".join(VARIANTS))
     args = ap.parse_args()
     variants = tuple(args.variants.split(","))
     if not set(variants) <= set(VARIANTS):
         ap.error(f"--variants: pick from {', '.join(VARIANTS)}")
-    rows = run(args.model, args.iters, args.warmup, args.bf16_cpu_path, args.speculate, variants, args.launch_cores)
+    rows = run(args.model, args.iters, args.warmup, args.bf16_cpu_path, args.speculate, variants, args.launch_share)
     print(f"{'variant':<10} {'backward ms':>12} {'hooks ms':>9} {'step ms':>8}")
     for r in rows:
         print(f"{r['variant']:<10} {r['backward_s'] * 1e3:>12.1f} {r['hooks_s'] * 1e3:>9.1f} {r['step_s'] * 1e3:>8.1f}")

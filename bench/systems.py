@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+import deep_optimizer_states.optimizer as optimizer_module
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import Placement
@@ -58,7 +59,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
          spare_cores: int = 0, checkpointing: bool = False,
          path_threads: int | None = None, prefetch: bool = False,
          speculate: bool | int = False, bf16_cpu_path: bool = False,
-         subgroup_size: int | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         subgroup_size: int | None = None,
+         launch_share: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -66,8 +68,12 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
     does a throttled CPU leave the staged copies more host memory bandwidth?); ``prefetch`` fills the staged
     subgroups' slots during backward; ``speculate`` runs the CPU path's update ahead during backward;
     ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel);
-    ``subgroup_size``: elements per subgroup (the optimizer's default when None)."""
+    ``subgroup_size``: elements per subgroup (the optimizer's default when None); ``launch_share``: the share
+    of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;
+    set for this process, which runs one system)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
+        if launch_share is not None:
+            optimizer_module.LAUNCH_SHARE = launch_share
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -274,6 +280,9 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # half the default subgroup (12.5M elements): a shorter pipeline fill and drain around each lane, finer
     # run-ahead, against more per-subgroup launches (1.36B, H200 call 19: the update took 0.034 s more than
     # its busiest lane)
+    # the share of threads an update run ahead left to backward before H200 call 25 (1 of 16 cores)
+    "ours_offload_overlap_spec_bf16_launch1": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                   bf16_cpu_path=True, launch_share=1 / 16),
     "ours_offload_overlap_spec_bf16_sg12": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                 bf16_cpu_path=True, subgroup_size=12_500_000),
     "ours_offload_overlap_spec_prefetch_bf16_sg12": ours("offload", stream_grads=True, overlap=True,

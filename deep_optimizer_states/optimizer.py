@@ -26,7 +26,7 @@ from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
-from .core.speculate import LAUNCH_CORES, Speculation
+from .core.speculate import LAUNCH_SHARE, Speculation
 from .options import check_options
 from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
@@ -191,7 +191,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._speculating = True  # off for the step after one whose gradients were clipped (undone)
         if speculate:
             self.speculation = Speculation(speculate, largest, local_ranks(), self.engine,
-                                           LAUNCH_CORES if self.device.type == "cuda" else 0)
+                                           LAUNCH_SHARE if self.device.type == "cuda" else 0.0)
             self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
         self._pending_has_grad: list[list[bool]] | None = None

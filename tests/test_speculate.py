@@ -248,3 +248,29 @@ def test_the_planner_hears_whether_an_update_ran_the_plan_its_backward_ran_under
         opt.step()
     opt.synchronize()
     assert told == ([True, True, True] if stream_grads else [True, False, True])
+
+
+@pytest.mark.parametrize("threads, share, during", [(16, 0.25, 12), (3, 0.25, 2), (1, 0.25, 1), (8, 0.0, 8)])
+def test_an_update_run_ahead_leaves_its_share_of_threads_to_backward_and_gives_them_back(
+        monkeypatch, threads, share, during):
+    """With a GPU, backward's launching thread needs a core while an update runs ahead (H200 call 24: 4 of 16
+    left cut the streamed backward from 80.9 to 70.3 ms against 1 left)."""
+    from deep_optimizer_states.core import speculate
+
+    seen = []
+    now = {"n": threads}
+    monkeypatch.setattr(torch, "get_num_threads", lambda: now["n"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: now.update(n=n))
+
+    class Job:
+        subgroup = type("Sg", (), {"numel": 4, "master": torch.zeros(4), "exp_avg": torch.zeros(4),
+                                   "exp_avg_sq": torch.zeros(4), "grad32": torch.zeros(4)})()
+
+        def adam(self, *args):
+            seen.append(now["n"])
+
+    engine = type("Engine", (), {"takes_bf16": lambda self, sg: False})()
+    ahead = speculate._Ahead(Job(), torch.ones(3, 4))
+    speculate._run_ahead(ahead, None, share, engine)
+    assert seen == [during] and now["n"] == threads and ahead.copied
+    assert torch.equal(ahead.spare, torch.zeros(3, 4))

@@ -29,7 +29,9 @@ from .layout import Subgroup
 
 SPARE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq kept aside
 DEFAULT_SPECULATIVE_SUBGROUPS = 16
-LAUNCH_CORES = 1  # cores left to backward's launching thread while an update runs ahead
+LAUNCH_SHARE = 0.25  # of the CPU path's threads, left to backward's launching thread while an update runs
+# ahead: on the H200 (16 threads) leaving 4 instead of 1 cut a 1.36B streamed backward from 80.9 to 70.3 ms
+# and its step from 277 to 271 ms; 8 gave 66.1 and 275 ms (H200 call 24, bench/stream_backward.py)
 
 
 @dataclass
@@ -43,16 +45,16 @@ class _Ahead:
 class Speculation:
     """At most ``count`` CPU subgroups updated ahead of ``step()``, each undoable from its spare."""
 
-    def __init__(self, count: int, largest: int, local_ranks: int, engine: Engine, launch_cores: int = 0) -> None:
+    def __init__(self, count: int, largest: int, local_ranks: int, engine: Engine, launch_share: float = 0.0) -> None:
         """Subgroups run ahead on ``engine``'s CPU worker, each on the kernel its update would take
-        (``Engine.takes_bf16``). ``launch_cores``: cores left to backward's launching thread (with a GPU) while
-        an update runs ahead."""
+        (``Engine.takes_bf16``). ``launch_share``: the share of its threads left to backward's launching thread
+        (with a GPU) while an update runs ahead."""
         needed = SPARE_BYTES_PER_ELEMENT * largest * count
         check_host_capacity(needed * local_ranks, f"speculate={count}: {count} spare subgroups of "
                             f"{format_bytes(SPARE_BYTES_PER_ELEMENT * largest)} (pass a smaller count)")
         self._free = [t.view(3, largest) for t in host_empty_many(
             [HostSpec(3 * largest, torch.float32, zero=False) for _ in range(count)], pin=False)] if largest else []
-        self._engine, self._launch_cores = engine, launch_cores
+        self._engine, self._launch_share = engine, launch_share
         self._ahead: dict[int, _Ahead] = {}
         self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
         self.undone = 0  # ... and was undone
@@ -67,7 +69,7 @@ class Speculation:
         if not self._free or job.subgroup.index in self._ahead:
             return False
         ahead = self._ahead[job.subgroup.index] = _Ahead(job, self._free.pop())
-        ahead.done = self._engine.on_cpu(_run_ahead, ahead, landed, self._launch_cores, self._engine)
+        ahead.done = self._engine.on_cpu(_run_ahead, ahead, landed, self._launch_share, self._engine)
         return True
 
     def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
@@ -119,14 +121,15 @@ def _failed(done: Future) -> bool:
 
 
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
-def _run_ahead(ahead: _Ahead, landed: object, launch_cores: int, engine: Engine) -> None:
-    """On ``launch_cores`` threads fewer than the CPU path's own: backward launches its kernels from a thread
-    that must find a core (elementwise work: the results do not depend on the thread count)."""
+def _run_ahead(ahead: _Ahead, landed: object, launch_share: float, engine: Engine) -> None:
+    """On ``launch_share`` of the CPU path's threads fewer (at least one fewer, at least one left): backward
+    launches its kernels from a thread that must find a core (elementwise work: the results do not depend
+    on the thread count)."""
     sg = ahead.job.subgroup
     if landed is not None:
         landed.synchronize()
     threads = torch.get_num_threads()
-    fewer = max(1, threads - launch_cores)
+    fewer = max(1, threads - max(1, round(threads * launch_share))) if launch_share else threads
     if fewer != threads:
         torch.set_num_threads(fewer)
     try:
