@@ -29,9 +29,11 @@ from .layout import Subgroup
 
 SPARE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq kept aside
 DEFAULT_SPECULATIVE_SUBGROUPS = 16
-LAUNCH_SHARE = 0.25  # of the CPU path's threads, left to backward's launching thread while an update runs
-# ahead: on the H200 (16 threads) leaving 4 instead of 1 cut a 1.36B streamed backward from 80.9 to 70.3 ms
-# and its step from 277 to 271 ms; 8 gave 66.1 and 275 ms (H200 call 24, bench/stream_backward.py)
+LAUNCH_SHARE = 1 / 16  # of the CPU path's threads (at least one) left to backward's launching thread while an
+# update runs ahead. A quarter instead (4 of 16 on the H200) cut a streamed 1.36B backward from 80.9 to 70.3 ms
+# and its step from 277 to 271 ms in bench/stream_backward.py (H200 call 24), but in the iteration of the
+# overlapped loop (call 25, one run each) it took 0.369 s against 0.350 s with one core left: fewer updates ran
+# ahead (60 kept against 71) and the forward waited longer. Not settled; the earlier default stays.
 
 
 @dataclass
