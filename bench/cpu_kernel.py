@@ -12,6 +12,8 @@ torch's kernel reads fp32 gradients (28 B per element through host memory: p, g,
 written); ours reads bf16 ones (26 B), and with a clip multiplier and the rounded bf16 params written
 (28 B) does in one pass what the engine otherwise does in two more (a multiply over the fp32 gradients on
 the host, the rounding on the GPU after 4 more bytes up). Both are checked equal, bit for bit, first.
+An update run ahead (``speculate``) also keeps the states before aside: ``run_ahead_copy_then_update``
+copies them in a pass of its own first, ``run_ahead_saved_in_the_kernel`` in the kernel's pass.
 """
 
 from __future__ import annotations
@@ -99,10 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     g32 = torch.randn(n) * 1e-3
     g16, out = g32.bfloat16(), torch.empty(n, dtype=torch.bfloat16)
     clip = torch.tensor(0.5)
+    spare = torch.empty(3, n)  # speculation's spare: pageable host memory
+
+    def copy_then_update():  # an update run ahead before: the states copied aside in a pass of their own
+        for dst, src in zip(spare, (p, m, v)):
+            dst.copy_(src)
+        kernel(p, g16, m, v, 5, h, (), out)
+
     fns = {"torch_fp32_grads": lambda: adam_update(p, g32, m, v, 5, h),
            "torch_fp32_grads_with_clip_multiply": lambda: (g32.mul_(clip), adam_update(p, g32, m, v, 5, h)),
            "ours_bf16_grads": lambda: kernel(p, g16, m, v, 5, h),
-           "ours_bf16_grads_clip_bf16_params": lambda: kernel(p, g16, m, v, 5, h, (0.5,), out)}
+           "ours_bf16_grads_clip_bf16_params": lambda: kernel(p, g16, m, v, 5, h, (0.5,), out),
+           "run_ahead_copy_then_update": copy_then_update,
+           "run_ahead_saved_in_the_kernel": lambda: kernel(p, g16, m, v, 5, h, (), out, spare)}
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         row = {"date": time.strftime("%Y-%m-%d"), "numel": n, "threads": threads, "cpu": cpu_name(),

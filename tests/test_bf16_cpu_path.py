@@ -95,3 +95,34 @@ def test_streamed_gradients_land_in_bf16_and_give_the_fp32_paths_results(mode, c
     assert 2 * opts[True].last_update.h2d_bytes == opts[False].last_update.h2d_bytes > 0
     if "speculate" in mode and clip is None:
         assert opts[True].speculation.kept > 0  # the kernel ran ahead, and was kept
+    if "speculate" in mode and clip is not None:
+        assert opts[True].speculation.undone > 0  # ... and was undone from what it kept aside in its pass
+
+
+def test_updates_run_ahead_in_several_spans_are_kept_or_undone_bit_for_bit():
+    """The kernel keeps aside the spans it updates, one call each; a param that missed a step has another
+    step count, so its span is a call of its own. Steps whose loss is scaled up clip, and their update run
+    ahead is undone: the whole subgroup must come back as it was; the others are kept."""
+    def make():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 40), torch.nn.Linear(40, 8)).bfloat16()
+
+    models = [make(), make()]
+    opts = [DeepOptimizerStates(m, lr=1e-2, weight_decay=0.1, schedule="cpu", subgroup_size=10_000,
+                                max_grad_norm=1.0, bf16_cpu_path=True, stream_grads=True, speculate=spec)
+            for m, spec in zip(models, (True, False))]
+    assert len(opts[0].layout.subgroups) == 1
+    gen = torch.Generator().manual_seed(4)
+    for step, scale in enumerate([1e-3, 1e-3, 1e3, 1e-3, 1e-3, 1e3]):
+        x = torch.randn(16, 24, generator=gen).bfloat16()
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            h = torch.relu(m[0](x))
+            (m[2](m[1](h) if step else h).float().pow(2).mean() * scale).backward()  # m[1] misses step 0
+            o.step()
+        for p, q in zip(*(m.parameters() for m in models)):
+            assert torch.equal(opts[0].master(p), opts[1].master(q)), f"step {step}"
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                a, b = opts[0].state[p].get(key), opts[1].state[q].get(key)
+                assert (a is None and b is None) or torch.equal(a, b), f"step {step}: {key}"
+    assert opts[0].speculation.kept == opts[0].speculation.undone == 2

@@ -55,6 +55,28 @@ def test_ten_steps_on_views_equal_torchs_and_the_rounded_params(kernel):
     assert torch.equal(ours[0][:n], ref[0][:n])  # the other half untouched
 
 
+@needs_compiler
+@pytest.mark.parametrize("n", [512 * 3 + 16 * 5, 512 * 3 + 16 * 5 + 7])
+def test_the_states_before_are_saved_in_the_same_pass_and_the_update_is_unchanged(kernel, n):
+    """``save`` (an update run ahead): rows of a wider spare (as speculation's [3, largest] spare is sliced)
+    get the param, exp_avg and exp_avg_sq as they were, the tail's too; the update equals the one without."""
+    gen = torch.Generator().manual_seed(11)
+    states = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-5]
+    before = [t.clone() for t in states]
+    twin = [t.clone() for t in states]
+    g = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    h = AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, True)
+    spare = torch.full((3, n + 100), float("nan"))
+    out, out_twin = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    kernel(*states[:1], g, *states[1:], 4, h, (0.5,), out, spare[:, :n])
+    kernel(*twin[:1], g, *twin[1:], 4, h, (0.5,), out_twin)
+    for saved, b, a, t in zip(spare, before, states, twin):
+        assert torch.equal(saved[:n].view(torch.int32), b.view(torch.int32))
+        assert saved[n:].isnan().all()  # nothing past the span
+        assert torch.equal(a.view(torch.int32), t.view(torch.int32)) and not torch.equal(a, b)
+    assert torch.equal(out.view(torch.int16), out_twin.view(torch.int16))
+
+
 @pytest.fixture
 def fresh_load():
     """load() runs again here, and the kernel built for the other tests is found again after."""

@@ -146,8 +146,10 @@ def test_ranks_calibrate_together_in_lock_step_and_keep_one_result(tmp_path):
     assert set(rows[0]["measured"].values()) != {7.0}, "rank 0's stored file was not used alone"
     assert rows[0]["barriers"] == rows[1]["barriers"] >= 11, "each rate measured after a barrier"
     assert rows[0]["stored"] == rows[1]["stored"] == rows[0]["measured"], "then loaded from the stored files"
-    assert len(rows[0]["engine_runs"]) == len(rows[1]["engine_runs"]) == 2, "rank 1's low reading: both again"
-    assert rows[1]["again"]["cpu_engine"] == rows[1]["engine_runs"][1], "the faster attempt kept"
+    # a third attempt where a real reading came out low too (CI's 2 cores shared by 2 ranks measuring at once)
+    runs = rows[1]["engine_runs"]
+    assert len(rows[0]["engine_runs"]) == len(runs) in (2, 3), "rank 1's low reading: both again, in lock-step"
+    assert rows[1]["again"]["cpu_engine"] == max(runs[1:]), "the fastest real attempt kept"
 
 
 def test_the_benchmark_fsdp2_peer_built_from_the_meta_device_is_the_same_on_any_number_of_ranks(tmp_path):

@@ -45,6 +45,9 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <vector>
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 static inline float from_bf16(uint16_t h) {
   uint32_t bits = uint32_t(h) << 16;
@@ -64,16 +67,38 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even; a NaN stays
 // second moment v * b2 + (c * g) * g (none, fma(v, b2, .), or fma(c * g, g, .)), the L2 term g + p * wd
 // (kL2: 0 none, 1 unfused, 2 fused). Blocks of kBlock elements: the update, then their bf16 rounding while
 // they are in cache (one loop doing both is not vectorised by GCC 12). A multiply by 1 is exact, so the
-// multipliers and AdamW's shrink are applied unconditionally.
+// multipliers and AdamW's shrink are applied unconditionally. With ``save`` (an update run ahead, which
+// must be undoable) each block's states before are copied aside first, while the update brings them into
+// cache anyway: a separate copy pass would read them from memory once more.
 constexpr int64_t kBlock = 512;
+
+// The states before, into the spare: streaming stores where the spare is aligned (the spare is only read
+// back by an undo, so it need not be read into cache before it is written: 12 bytes per element less).
+static inline void keep_aside(float* __restrict dst, const float* __restrict src, int64_t count) {
+#if defined(__SSE2__)
+  int64_t i = 0;
+  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0) {
+    for (; i + 4 <= count; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+  }
+  if (i < count) std::memcpy(dst + i, src + i, size_t(count - i) * sizeof(float));
+#else
+  std::memcpy(dst, src, size_t(count) * sizeof(float));
+#endif
+}
 
 template <bool kLerp, int kSquare, int kL2, bool kOut>
 static void blocks(float* __restrict p, const uint16_t* __restrict g, float* __restrict m, float* __restrict v,
-                   uint16_t* __restrict out, int64_t first, int64_t last, int64_t n, float k0, float k1,
+                   uint16_t* __restrict out, float* const* save, int64_t first, int64_t last, int64_t n,
+                   float k0, float k1,
                    float shrink, float l2, bool small, float coeff, float sq_coeff, float b2, float bias2_sqrt,
                    float epsf, float step_size) {
   for (int64_t block = first; block < last; ++block) {
     const int64_t start = block * kBlock, stop = std::min(n, start + kBlock);
+    if (save != nullptr) {
+      keep_aside(save[0] + start, p + start, stop - start);
+      keep_aside(save[1] + start, m + start, stop - start);
+      keep_aside(save[2] + start, v + start, stop - start);
+    }
     for (int64_t i = start; i < stop; ++i) {
       float grad = from_bf16(g[i]) * k0 * k1;
       const float param = p[i] * shrink;
@@ -92,11 +117,15 @@ static void blocks(float* __restrict p, const uint16_t* __restrict g, float* __r
     if (kOut)
       for (int64_t i = start; i < stop; ++i) out[i] = to_bf16(p[i]);
   }
+#if defined(__SSE2__)
+  if (save != nullptr) _mm_sfence();  // the streaming stores visible before this thread's part is done
+#endif
 }
 
 template <bool kLerp, int kSquare, int kL2, bool kOut>
-static void run(float* p, const uint16_t* g, float* m, float* v, uint16_t* out, int64_t n, double lr, double beta1,
-                double beta2, double wd, double eps, int64_t step, bool decoupled, float k0, float k1) {
+static void run(float* p, const uint16_t* g, float* m, float* v, uint16_t* out, float* const* save, int64_t n,
+                double lr, double beta1, double beta2, double wd, double eps, int64_t step, bool decoupled, float k0,
+                float k1) {
   const double bias1 = 1 - std::pow(beta1, step), bias2 = 1 - std::pow(beta2, step);
   const float step_size = float(-(lr / bias1)), bias2_sqrt = float(std::sqrt(bias2));
   const float weight = float(1 - beta1), sq_coeff = float(1 - beta2), b2 = float(beta2);
@@ -105,13 +134,13 @@ static void run(float* p, const uint16_t* g, float* m, float* v, uint16_t* out, 
   const float shrink = decoupled && wd != 0 ? float(1 - lr * wd) : 1.0f;
   const float l2 = float(wd), epsf = float(eps);
   at::parallel_for(0, (n + kBlock - 1) / kBlock, 16, [=](int64_t first, int64_t last) {
-    blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, first, last, n, k0, k1, shrink, l2, small, coeff, sq_coeff,
-                                      b2, bias2_sqrt, epsf, step_size);
+    blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, save, first, last, n, k0, k1, shrink, l2, small, coeff,
+                                      sq_coeff, b2, bias2_sqrt, epsf, step_size);
   });
 }
 
-using Kernel = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t, double, double, double,
-                        double, double, int64_t, bool, float, float);
+using Kernel = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, float* const*, int64_t, double, double,
+                        double, double, double, int64_t, bool, float, float);
 
 template <bool kLerp, int kSquare, bool kFusedL2>
 static Kernel pick(bool l2, bool out) {
@@ -121,8 +150,8 @@ static Kernel pick(bool l2, bool out) {
 }
 
 void adamw_bf16(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor v, torch::Tensor out,
-                double lr, double beta1, double beta2, double wd, double eps, int64_t step, bool decoupled,
-                std::vector<double> multipliers, int64_t variant) {
+                torch::Tensor save, double lr, double beta1, double beta2, double wd, double eps, int64_t step,
+                bool decoupled, std::vector<double> multipliers, int64_t variant) {
   TORCH_CHECK(p.is_cpu() && g.is_cpu() && m.is_cpu() && v.is_cpu() && (!out.defined() || out.is_cpu()),
               "host tensors");
   TORCH_CHECK(p.is_contiguous() && m.is_contiguous() && v.is_contiguous() && g.is_contiguous(), "contiguous");
@@ -135,6 +164,12 @@ void adamw_bf16(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor
   if (out.defined() && out.numel()) {
     TORCH_CHECK(out.numel() == n && out.is_contiguous() && out.scalar_type() == at::kBFloat16, "bf16 out");
     o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  }
+  float* rows[3] = {nullptr, nullptr, nullptr};
+  if (save.defined() && save.numel()) {
+    TORCH_CHECK(save.is_cpu() && save.scalar_type() == at::kFloat && save.dim() == 2 && save.size(0) == 3
+                && save.size(1) == n && save.stride(1) == 1, "save: fp32 host rows [3, n], each contiguous");
+    for (int row = 0; row < 3; ++row) rows[row] = save.data_ptr<float>() + row * save.stride(0);
   }
   TORCH_CHECK(variant >= 0 && variant < 12, "variant");
   const bool l2 = !decoupled && wd != 0;
@@ -150,7 +185,7 @@ void adamw_bf16(torch::Tensor p, torch::Tensor g, torch::Tensor m, torch::Tensor
   // torch's thread count for this thread, also where this build's OpenMP runtime is not torch's own
   omp_set_num_threads(at::get_num_threads());
   pybind11::gil_scoped_release release;  // the training loop's thread runs on meanwhile
-  kernel(pp, gp, mp, vp, o, n, lr, beta1, beta2, wd, eps, step, decoupled, k0, k1);
+  kernel(pp, gp, mp, vp, o, rows[0] ? rows : nullptr, n, lr, beta1, beta2, wd, eps, step, decoupled, k0, k1);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
@@ -174,18 +209,22 @@ class Bf16GradAdam:
 
     def __call__(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  steps_done: int, h: AdamHyper, multipliers: Sequence[float] = (),
-                 out: torch.Tensor | None = None) -> None:
+                 out: torch.Tensor | None = None, save: torch.Tensor | None = None) -> None:
         """As ``adam_update`` on ``grad.float() * m1 * m2 ...`` for step ``steps_done + 1``; also ``out`` =
-        the new param rounded to bf16 when given. The last ``numel % 16`` elements, which torch's kernel
+        the new param rounded to bf16 when given, and ``save`` ([3, numel] fp32: param, exp_avg, exp_avg_sq)
+        = the states before, copied in the same pass. The last ``numel % 16`` elements, which torch's kernel
         updates in its scalar loop, are given to torch's kernel (their gradients up-cast here)."""
         n = param.numel()
         body = n - n % UNIT
         if body:
             self._module.adamw_bf16(param[:body], grad[:body], exp_avg[:body], exp_avg_sq[:body],
-                                    _EMPTY if out is None else out[:body], h.lr, h.beta1, h.beta2,
-                                    h.weight_decay, h.eps, steps_done + 1, h.decoupled,
+                                    _EMPTY if out is None else out[:body], _EMPTY if save is None else save[:, :body],
+                                    h.lr, h.beta1, h.beta2, h.weight_decay, h.eps, steps_done + 1, h.decoupled,
                                     [float(k) for k in multipliers], self.variant)
         if body < n:
+            if save is not None:
+                for dst, src in zip(save[:, body:], (param, exp_avg, exp_avg_sq)):
+                    dst.copy_(src[body:])
             tail = grad[body:].float()
             for k in multipliers:
                 tail.mul_(torch.tensor(float(k), dtype=torch.float32))

@@ -100,21 +100,29 @@ class UpdateStats:
     speculated_elements: int = 0  # their elements: the CPU work done before the update began
 
 
-def bf16_update(kernel: cpu_adamw.Bf16GradAdam, job: Job, multipliers: Sequence[float]) -> None:
+def bf16_update(kernel: cpu_adamw.Bf16GradAdam, job: Job, multipliers: Sequence[float],
+                save: torch.Tensor | None = None, saved: Callable[[int], None] | None = None) -> None:
     """The job's spans updated from the bf16 gradients in the first half of its subgroup's grad32 memory,
     and every param of the subgroup rounded into the second half (a param without a gradient from its
-    unchanged master), ready to go up."""
+    unchanged master), ready to go up. With ``save`` ([3, numel]: master, exp_avg, exp_avg_sq) the states
+    before are copied there on the way (an update run ahead, to be undone), and ``saved(k)`` is told each
+    time the first ``k`` elements' are."""
     sg = job.subgroup
     grads, params = sg.bf16_halves()
     master, exp_avg, exp_avg_sq = sg.master, sg.exp_avg, sg.exp_avg_sq
     done = 0
-    for a, b, steps in job.spans():
+    for a, b, steps in [*job.spans(), (sg.numel, sg.numel, 0)]:
         if done < a:
             params[done:a].copy_(master[done:a])
-        kernel(master[a:b], grads[a:b], exp_avg[a:b], exp_avg_sq[a:b], steps, job.hyper, multipliers, params[a:b])
+            if save is not None:  # states no span updates: kept aside too, so that an undo may copy all back
+                for dst, src in zip(save[:, done:a], (master, exp_avg, exp_avg_sq)):
+                    dst.copy_(src[done:a])
+        if a < b:
+            kernel(master[a:b], grads[a:b], exp_avg[a:b], exp_avg_sq[a:b], steps, job.hyper, multipliers, params[a:b],
+                   None if save is None else save[:, a:b])
         done = b
-    if done < sg.numel:
-        params[done:].copy_(master[done:])
+        if saved is not None:
+            saved(done)
 
 
 def _grads_fp32(dst: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None,

@@ -9,9 +9,11 @@ counts of that moment, by the same call the update makes (``Job.adam``). ``step(
 nothing it decides differs (the step is not skipped, every gradient multiplier is exactly 1, the same
 hyper-parameters and spans), and otherwise copies the spare back, bit for bit the states before, and the
 update takes the subgroup the usual way. Whatever reads or writes the host states in between
-(``opt.state``, ``state_dict``, a weight edit, ``zero_grad``) undoes first. The cost: 24 B per element more
-through host memory (the copy aside), at a time when host memory idles; at most ``count`` subgroups run
-ahead per step (a spare each, 12 B per element of host memory, allocated once).
+(``opt.state``, ``state_dict``, a weight edit, ``zero_grad``) undoes first. The cost: the copy aside through
+host memory, at a time when host memory idles: 24 B per element more with torch's kernel (a copy pass), 12 B
+with the bf16 kernel (``bf16_cpu_path``), which writes the copy in its own pass over states it reads anyway;
+at most ``count`` subgroups run ahead per step (a spare each, 12 B per element of host memory, allocated
+once).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from .layout import Subgroup
 
 SPARE_BYTES_PER_ELEMENT = 12  # fp32 master, exp_avg, exp_avg_sq kept aside
 DEFAULT_SPECULATIVE_SUBGROUPS = 16
+ROW_ALIGN = 16  # elements: a spare's rows start 64-byte aligned
 LAUNCH_SHARE = 1 / 16  # of the CPU path's threads (at least one) left to backward's launching thread while an
 # update runs ahead. A quarter instead (4 of 16 on the H200) cut a streamed 1.36B backward from 80.9 to 70.3 ms
 # and its step from 277 to 271 ms in bench/stream_backward.py (H200 call 24), but in the iteration of the
@@ -41,7 +44,7 @@ class _Ahead:
     job: Job
     spare: torch.Tensor  # [3, numel]: the states before
     done: Future | None = None
-    copied: bool = False  # the states before are all in the spare: from here on, undo puts them back
+    copied: int = 0  # elements, from the first, whose states before are in the spare: undo puts those back
 
 
 class Speculation:
@@ -54,8 +57,9 @@ class Speculation:
         needed = SPARE_BYTES_PER_ELEMENT * largest * count
         check_host_capacity(needed * local_ranks, f"speculate={count}: {count} spare subgroups of "
                             f"{format_bytes(SPARE_BYTES_PER_ELEMENT * largest)} (pass a smaller count)")
-        self._free = [t.view(3, largest) for t in host_empty_many(
-            [HostSpec(3 * largest, torch.float32, zero=False) for _ in range(count)], pin=False)] if largest else []
+        row = -(-largest // ROW_ALIGN) * ROW_ALIGN  # each row aligned for the bf16 kernel's streaming stores
+        self._free = [t.view(3, row) for t in host_empty_many(
+            [HostSpec(3 * row, torch.float32, zero=False) for _ in range(count)], pin=False)] if largest else []
         self._engine, self._launch_share = engine, launch_share
         self._ahead: dict[int, _Ahead] = {}
         self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
@@ -106,8 +110,8 @@ class Speculation:
             sg = ahead.job.subgroup
             if ahead.copied:
                 with torch.no_grad():
-                    for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), ahead.spare[:, : sg.numel]):
-                        dst.copy_(src)
+                    for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), ahead.spare[:, : ahead.copied]):
+                        dst[: ahead.copied].copy_(src)
                 self.undone += 1
             else:
                 self.called_off += 1
@@ -135,12 +139,14 @@ def _run_ahead(ahead: _Ahead, landed: object, launch_share: float, engine: Engin
     if fewer != threads:
         torch.set_num_threads(fewer)
     try:
-        for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
-            dst.copy_(src)
-        ahead.copied = True
-        if engine.takes_bf16(sg):  # its gradients landed in bf16; the params it rounds go up if kept
-            bf16_update(engine.bf16_kernel, ahead.job, ())
+        if engine.takes_bf16(sg):  # its gradients landed in bf16; the params it rounds go up if kept. The
+            # kernel copies the states before aside in its own pass (a pass of their own reads them once more)
+            bf16_update(engine.bf16_kernel, ahead.job, (), save=ahead.spare[:, : sg.numel],
+                        saved=lambda k: setattr(ahead, "copied", k))
         else:
+            for dst, src in zip(ahead.spare[:, : sg.numel], (sg.master, sg.exp_avg, sg.exp_avg_sq)):
+                dst.copy_(src)
+            ahead.copied = sg.numel
             ahead.job.adam(sg.master, sg.grad32, sg.exp_avg, sg.exp_avg_sq)
     finally:
         if fewer != threads:
