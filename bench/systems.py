@@ -280,10 +280,6 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # half the default subgroup (12.5M elements): a shorter pipeline fill and drain around each lane, finer
     # run-ahead, against more per-subgroup launches (1.36B, H200 call 19: the update took 0.034 s more than
     # its busiest lane)
-    # a quarter of the threads (4 of 16 cores) left to backward while an update runs ahead, against the
-    # default one (H200 call 25 ran the default at a quarter and this twin, then named _launch1, at 1/16)
-    "ours_offload_overlap_spec_bf16_launch4": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                   bf16_cpu_path=True, launch_share=0.25),
     "ours_offload_overlap_spec_bf16_sg12": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                 bf16_cpu_path=True, subgroup_size=12_500_000),
     "ours_offload_overlap_spec_prefetch_bf16_sg12": ours("offload", stream_grads=True, overlap=True,
@@ -291,6 +287,10 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                          subgroup_size=12_500_000),
     "ours_offload_overlap_clip_gathered_sg12": ours("offload", overlap=True, max_grad_norm=CLIP,
                                                     subgroup_size=12_500_000),
+    # a quarter of the threads (4 of 16 cores) left to backward while an update runs ahead, against the
+    # default one (H200 call 25 ran the default at a quarter and this twin, then named _launch1, at 1/16)
+    "ours_offload_overlap_spec_bf16_launch4": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                   bf16_cpu_path=True, launch_share=0.25),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),
