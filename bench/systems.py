@@ -19,7 +19,7 @@ import torch
 import deep_optimizer_states.optimizer as optimizer_module
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
-from deep_optimizer_states.core.schedule import Placement
+from deep_optimizer_states.core.schedule import Placement, spread
 from deep_optimizer_states.tools.models import llama, materialize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -60,7 +60,8 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
          path_threads: int | None = None, prefetch: bool = False,
          speculate: bool | int = False, bf16_cpu_path: bool = False,
          subgroup_size: int | None = None,
-         launch_share: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         launch_share: float | None = None,
+         staged_share: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -70,7 +71,9 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
     ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel);
     ``subgroup_size``: elements per subgroup (the optimizer's default when None); ``launch_share``: the share
     of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;
-    set for this process, which runs one system)."""
+    set for this process, which runs one system); ``staged_share``: that share of the subgroups staged, spread
+    evenly, as a fixed schedule (the performance model does not choose: what a split it does not price
+    gives, e.g. more staging when ``prefetch`` brings the staged states in during backward)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
@@ -85,6 +88,9 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                                   **({} if subgroup_size is None else {"subgroup_size": subgroup_size}))
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
+        if staged_share is not None:
+            count = len(opt.layout.subgroups)
+            opt.schedule = tuple(spread(count, round(staged_share * count)))
 
         history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update and
         # where its time went (CPU AdamW, the staged window, each lane's busy seconds)
@@ -138,6 +144,7 @@ def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_g
                        f"speculate={speculate}, bf16_cpu_path={bf16_cpu_path}"
                        + ("" if subgroup_size is None else f", subgroup_size={subgroup_size}") + "), "
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
+                       + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host")
     return build
@@ -291,6 +298,25 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # default one (H200 call 25 ran the default at a quarter and this twin, then named _launch1, at 1/16)
     "ours_offload_overlap_spec_bf16_launch4": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                    bf16_cpu_path=True, launch_share=0.25),
+    # more of the subgroups staged than the model chooses (it prices every staged subgroup's way in inside
+    # the update; with prefetch about a backward's worth of them come in before it), with and without
+    # prefetch: 1.36B has 55 subgroups, "offload" staged 22-27 of them in calls 24-28
+    "ours_offload_overlap_spec_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.5),
+    "ours_offload_overlap_spec_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.6),
+    "ours_offload_overlap_spec_prefetch_bf16_s70": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.7),
+    "ours_offload_overlap_stream_clip_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True,
+                                                               max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True,
+                                                               staged_share=0.5),
+    "ours_offload_overlap_stream_clip_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True,
+                                                               max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True,
+                                                               staged_share=0.6),
+    "ours_offload_overlap_spec_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                               bf16_cpu_path=True, staged_share=0.5),
+    "ours_offload_overlap_spec_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                               bf16_cpu_path=True, staged_share=0.4),
     "ours_offload_overlap_t8": ours("offload", stream_grads=True, overlap=True, path_threads=8),
     "ours_offload_overlap_t4": ours("offload", stream_grads=True, overlap=True, path_threads=4),
     "ours_offload_overlap_spare": ours("offload", stream_grads=True, overlap=True, spare_cores=1),

@@ -19,7 +19,7 @@ from .core.engine import DEFAULT_STAGING_SLOTS, Engine, Job, UpdateStats
 from .core.grad_scaling import DynamicLossScaler, clip_coefficient, combine_norms, total_norm
 from .core.grad_stream import GradStream
 from .core.host_state import RESET_MESSAGE, HostState, ParamState
-from .core.lanes import current_point
+from .core.lanes import Done, Event, current_point
 from .core.layout import Layout, Subgroup, local, subgroup_count
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
@@ -194,7 +194,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                            LAUNCH_SHARE if self.device.type == "cuda" else 0.0)
             self.grad_stream.after_send = _weak(self._run_ahead)
         self._hook = None
-        self._pending_has_grad: list[list[bool]] | None = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
         self._ran_as_planned = True  # ... and they were the plan in force during its backward
         if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
@@ -415,9 +414,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     # ---- states staged ahead ------------------------------------------------------------------------
     def _fill_ahead(self) -> None:
         """From a final gradient's hook in backward (``prefetch=True``): copy the plan's staged subgroups'
-        states into slots of their own while the budget allows, in the order the update will take them."""
-        if self.overlapper is not None and self.overlapper.busy and not self.overlapper.finished:
-            return  # the last update may still be writing these host states
+        states into slots of their own while the budget allows, in the order the update will take them,
+        each after the last update (``overlap``) has written its host states."""
         if self._order_ahead is None:  # once a step: the plan does not change during backward
             pairs = list(zip(self.layout.subgroups, self.plan.placements))
             staged = [sg for sg, place in pairs if place is Placement.STAGED and sg not in self.residents
@@ -430,7 +428,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._room_ahead = self.planner.room_ahead(max(self.residents.bytes(), planned), 0)
         if self.prefetch.pending(self._order_ahead):
             self.prefetch.top_up(self._order_ahead, self._room_ahead - self.prefetch.step_bytes,
-                                 self.planner.budget.note_fill)
+                                 self.planner.budget.note_fill, self._host_final)
+
+    def _host_final(self, sg: Subgroup) -> Event | None:
+        """When ``sg``'s host states are final (the last update, left running by ``overlap``, may still be
+        writing them): an event, or None while that is not known yet."""
+        return Done() if self.overlapper is None else self.overlapper.host_final(sg.index)
 
     def _drop_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
         """Forget the slots filled ahead (of ``subgroups``, else all): the host copy may change, or the step
@@ -445,11 +448,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         starts with the hyper-parameters and step counts of now; ``step()`` keeps it or undoes it."""
         if not self._speculating or self.planner.pending:
             return  # the last step clipped; or calibration comes first
-        # the last update (overlap) is at most flushing its last staged subgroups: wait for it to end, as step()
-        # would, so that its host states are final and its step counts counted (the GPU runs the backward
-        # already queued meanwhile). Skipping instead missed the first subgroups backward makes final.
-        with self.grad_stream.annotated("dos.wait_last_update"):
-            self.synchronize()
+        # the last update (overlap) has counted its steps when it started, and its CPU work for this subgroup
+        # is queued on the worker before this; it may still be flushing staged subgroups: if this was one of
+        # them, the run-ahead waits for that flush on the worker. Only when that is not known yet does the
+        # launching thread wait for the whole update (skipping instead missed the first subgroups backward
+        # makes final).
+        after = self._host_final(sg)
+        if after is None:
+            with self.grad_stream.annotated("dos.wait_last_update"):
+                self.synchronize()
         if sg in self.residents:
             return  # a resident of an older plan: its states are on the GPU until the step evicts them
         group = self.param_groups[sg.group_index]
@@ -459,7 +466,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return  # step() says what is wrong
         job = Job(sg, Placement.CPU, AdamHyper.from_group(group, self.adamw),
                   runs=sg.runs([True] * len(sg.bucket.params)))
-        self.speculation.start(job, self.grad_stream.landed[sg.index])
+        self.speculation.start(job, self.grad_stream.landed[sg.index], after)
 
     def _undo_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
         """Put back the states before of the subgroups whose update ran ahead (of ``subgroups``, else all)."""
@@ -633,10 +640,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.planner.after_update()
         self._after_update(has_grad)
 
-    def _after_update(self, has_grad: list[list[bool]]) -> None:
+    def _after_update(self, has_grad: list[list[bool]] | None) -> None:
+        """What follows an update that has ended; ``has_grad``: the params whose step counts it advances
+        (None: counted when it started, ``_start_update``)."""
         self.planner.observe(self.last_update, self._ran, overlapped=self.overlapper is not None,
                              planned_in_backward=self._ran_as_planned)
-        self.layout.advance_steps(has_grad)
+        if has_grad is not None:
+            self.layout.advance_steps(has_grad)
         self._expose_state()
 
     def _start_update(self, jobs: list[Job], multipliers: list[torch.Tensor], slots: int, landed: dict,
@@ -654,11 +664,14 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         def update() -> UpdateStats:  # touches no param's .grad: the next backward may be writing them
             try:
                 return self.engine.update(jobs, multipliers, slots, self.residents, landed, ready=ready,
-                                          grads=grads, on_written=self.overlapper.written, ahead=ahead)
+                                          grads=grads, on_written=self.overlapper.written, ahead=ahead,
+                                          on_settled=self.overlapper.settled)
             finally:  # the params as we left them, here: an edit made after the update ended is the user's
                 self.layout.record_writes()
 
-        self._pending_has_grad = has_grad
+        # the step counts move now (the jobs hold those they update with), so that the next backward may run a
+        # subgroup's update ahead while this one still flushes others; whatever reads them synchronizes first
+        self.layout.advance_steps(has_grad)
         self.overlapper.start(update, [j.subgroup.index for j in jobs])
 
     def synchronize(self) -> None:
@@ -669,7 +682,6 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         overlapper = getattr(self, "overlapper", None)
         if overlapper is None or not overlapper.busy:
             return
-        has_grad, self._pending_has_grad = self._pending_has_grad, None
         try:
             self.last_update = overlapper.join()
         except BaseException as err:
@@ -677,7 +689,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise
         # no planner.after_update(): the update's transients ran beside the next forward, so the budget's
         # measured need rightly counts them
-        self._after_update(has_grad)
+        self._after_update(None)
 
     def _refuse_edited_grads(self) -> None:
         """With stream_grads, a gradient changed in place after backward would reach only part of the step

@@ -365,3 +365,54 @@ def test_a_subgroup_without_gradients_last_step_is_not_filled_ahead():
     assert unused and used
     assert fills[4:] == [used + len(unused), used, used, used], "the unused branch filled on the first step only"
     _assert_same(*runs)
+
+
+def test_the_next_backward_fills_and_runs_ahead_while_the_last_update_still_flushes():
+    """``overlap``: the update left running may still flush its last staged subgroup when the next backward
+    begins. A fill ahead waits only for its own subgroup's flush and an update run ahead (``speculate``) for
+    its own subgroup's host states, not for the whole update: with that last flush held until backward has
+    ended, backward runs through (the launching thread used to wait for the whole update), every other
+    staged subgroup is filled, CPU subgroups run ahead, and the result is the same bit for bit."""
+    import threading
+
+    steps, runs = 5, []
+    for hold in (False, True):
+        model, opt = _build(True, "llama", overlap=True, speculate=True)
+        gates = [threading.Event() for _ in range(steps)]
+        held = {"calls": 0, "timeouts": 0}
+        if hold:
+            settled = opt.overlapper.settled
+
+            def holding(index, event):
+                order = [sg.index for sg in opt._order_ahead or ()] or sorted(
+                    (i for i, p in enumerate(opt.placements) if p is Placement.STAGED),
+                    key=lambda i: opt._need_order.get(i, len(opt._need_order)))
+                if index == order[-1]:  # the update's last staged subgroup, flushed last
+                    gate, held["calls"] = gates[held["calls"]], held["calls"] + 1
+                    held["timeouts"] += not gate.wait(timeout=10)
+                settled(index, event)
+
+            opt.overlapper.settled = holding
+        gen = torch.Generator().manual_seed(11)
+        filled, ahead = [], []
+        for step in range(steps):
+            opt.zero_grad()
+            loss_of(model, gen).backward()
+            if step:
+                gates[step - 1].set()  # the flush of the update before this backward goes on
+                filled.append(opt.prefetch.filled)
+                ahead.append(len(opt.speculation))
+            opt.step()
+        for gate in gates:
+            gate.set()
+        opt.synchronize()
+        runs.append(_masters(model, opt))
+        if hold:
+            staged = opt.placements.count(Placement.STAGED)
+            assert held == {"calls": steps, "timeouts": 0}, "backward waited for the whole update"
+            assert [b - a for a, b in zip([0] + filled, filled)][1:] == [staged - 1] * (steps - 2), \
+                "every staged subgroup but the held one filled ahead"
+            assert all(ahead), "CPU subgroups ran ahead while the update still flushed"
+            assert opt.speculation.kept >= steps - 1 and not opt.speculation.undone, \
+                "kept: run with this step's counts, though the update before had not ended"
+    _assert_same(*runs)

@@ -271,6 +271,6 @@ def test_an_update_run_ahead_leaves_its_share_of_threads_to_backward_and_gives_t
 
     engine = type("Engine", (), {"takes_bf16": lambda self, sg: False})()
     ahead = speculate._Ahead(Job(), torch.ones(3, 4))
-    speculate._run_ahead(ahead, None, share, engine)
+    speculate._run_ahead(ahead, (None, None), share, engine)
     assert seen == [during] and now["n"] == threads and ahead.copied
     assert torch.equal(ahead.spare, torch.zeros(3, 4))

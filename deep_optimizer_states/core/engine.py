@@ -209,6 +209,7 @@ class Engine:
                         if device.type == "cuda" else None)
         self._warned_fallback = False
         self._on_written: Callable[[int, object], None] = _ignore
+        self._on_settled: Callable[[int, object], None] = _ignore
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
         self._cpu_spans: list[tuple[float, float, str]] = []
 
@@ -244,18 +245,20 @@ class Engine:
                residents: Residents | None = None, landed: dict | None = None, ready: Event = None,
                grads: dict | None = None,
                on_written: Callable[[int, object], None] | None = None,
-               ahead: dict[int, Ahead] | None = None) -> UpdateStats:
+               ahead: dict[int, Ahead] | None = None,
+               on_settled: Callable[[int, object], None] | None = None) -> UpdateStats:
         """Apply one optimizer step to every job; returns once params and states are all updated (a resident
         subgroup's states on the GPU, the others' on the host). ``landed``: CPU subgroups whose unscaled fp32
         gradients were streamed to the host during backward (subgroup index -> event); the multipliers are
         applied to them on the host. For an update run on another thread (``overlap``): ``ready``, the event
         after which the gradients are complete (recorded by the caller), ``grads``, the gradients by
-        id(param), and ``on_written(index, event)``, told as each subgroup's params are written. ``ahead``:
+        id(param), ``on_written(index, event)``, told as each subgroup's params are written, and
+        ``on_settled(index, event)``, as its host states are (a staged one's flush enqueued). ``ahead``:
         staged subgroups whose states are already in slots of their own (subgroup index -> ``Ahead``), held
         here until every stream is done with them."""
         residents = residents if residents is not None else Residents(self.device)
         landed, ahead = landed or {}, ahead or {}
-        self._on_written = on_written or _ignore
+        self._on_written, self._on_settled = on_written or _ignore, on_settled or _ignore
         if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
@@ -386,6 +389,7 @@ class Engine:
             t1 = time.perf_counter()
             self._cpu_adam_seconds += t1 - t0
             self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
+        self._on_settled(sg.index, Done())
         with self.params_up.run(f"sg{sg.index}"):
             _params_from(sg.bf16_halves()[1] if sg.index in feed.bf16 else sg.master, sg, scratch)
         self._on_written(sg.index, self.params_up.record())
@@ -430,8 +434,10 @@ class Engine:
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in ((sg.master, p), (sg.exp_avg, m), (sg.exp_avg_sq, v)):
                 dst.copy_(src, non_blocking=True)
+        flushed = self.stage_out.record()
         if slot is not None:
-            slot.free = self.stage_out.record()
+            slot.free = flushed
+        self._on_settled(sg.index, flushed)
 
     @staticmethod
     def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float],

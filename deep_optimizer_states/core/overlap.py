@@ -26,6 +26,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from .lanes import Done
+
 if TYPE_CHECKING:
     from .lanes import Event
     from .layout import Layout, Subgroup
@@ -77,6 +79,7 @@ class UpdateInFlight:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dos-update", initializer=initializer)
         self._future: Future | None = None
         self._written: dict[int, tuple[threading.Event, object]] = {}
+        self._settled: dict[int, tuple[threading.Event, object]] = {}  # host states final after the event
         self._lock = threading.Lock()
         self._started = 0.0
         self._last_written = 0.0  # perf_counter when the newest subgroup's params were enqueued
@@ -93,10 +96,13 @@ class UpdateInFlight:
         return self._future is None or self._future.done()
 
     def start(self, update: Callable[[], object], subgroups: Iterable[int]) -> None:
-        """Run ``update`` in the background; ``subgroups`` are those it will write (forward waits for them)."""
+        """Run ``update`` in the background; ``subgroups`` are those it will write (forward waits for their
+        params; ``host_final`` tells when their host states are final)."""
         assert self._future is None, "join the running update first"
+        subgroups = list(subgroups)
         with self._lock:
             self._written = {i: (threading.Event(), None) for i in subgroups}
+            self._settled = {i: (threading.Event(), None) for i in subgroups}
         self._waited = 0.0
         self._future = self._thread.submit(self._run, update)
 
@@ -106,7 +112,7 @@ class UpdateInFlight:
             with torch.no_grad():
                 return update()
         finally:  # an update that failed half-way must not leave a forward waiting forever
-            for flag, _ in list(self._written.values()):
+            for flag, _ in [*self._written.values(), *self._settled.values()]:
                 flag.set()
 
     def written(self, index: int, event: Event) -> None:
@@ -119,6 +125,30 @@ class UpdateInFlight:
             self._written[index] = (entry[0], event)
             self._last_written = time.perf_counter()
         entry[0].set()
+
+    def settled(self, index: int, event: Event) -> None:
+        """Subgroup ``index``'s master and moments on the host are final once ``event`` has happened (a staged
+        subgroup's flush, enqueued; ``Done()`` for one the CPU path has updated). Called from the update's
+        threads."""
+        with self._lock:
+            entry = self._settled.get(index)
+            if entry is None:
+                return
+            self._settled[index] = (entry[0], event)
+        entry[0].set()
+
+    def host_final(self, index: int) -> Event | None:
+        """When subgroup ``index``'s host states are final: an event to wait for (``Done()``: already, as for
+        one this update does not write), or None while the update has not got that far. Lets the next
+        backward start on a subgroup (fill its slot ahead, run its CPU update ahead) while the update still
+        flushes others, instead of waiting for all of it."""
+        if self._future is None or self._future.done():
+            return Done()
+        with self._lock:
+            entry = self._settled.get(index)
+        if entry is None:
+            return Done()
+        return entry[1] if entry[0].is_set() else None
 
     def wait_for(self, subgroups: Iterable[int], on_host: bool = False) -> None:
         """Make the caller's work wait until these subgroups' params are written: the host until the write
@@ -156,7 +186,7 @@ class UpdateInFlight:
                 stats.forward_wait_s = self._waited
             return stats
         finally:
-            self._written = {}
+            self._written, self._settled = {}, {}
             future = None  # it holds a failed update's error, whose traceback holds this frame: no cycle
 
     def close(self) -> None:

@@ -6,6 +6,10 @@ step's gradients, so they can come in then, into slots of their own (within the 
 allows, beside what forward and backward were measured to need); the update then finds them there and
 only computes and flushes them, and its window carries that much less of the heavier direction.
 
+The last update may still be flushing staged subgroups when backward begins (``overlap``): a slot's copy
+then waits for that subgroup's own flush (``UpdateInFlight.host_final``), not for the whole update, so the
+link carries this step's way in beside the last step's way out.
+
 Exactness: the host copy is the truth throughout (nothing is written before the update), so a copy taken
 ahead is simply dropped whenever the host copy may change before the step (a write through ``opt.state``,
 a master re-read from an edited weight, a loaded checkpoint, a step that is skipped) and the update stages
@@ -18,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .lanes import Lane, current_point
+from .lanes import Event, Lane, current_point
 from .layout import Subgroup
 from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, slot_tensors
 
@@ -44,18 +48,24 @@ class Prefetch:
         return self._next < len(order)
 
     @torch.no_grad()
-    def top_up(self, order: Sequence[Subgroup], room: int, before_fill: Callable[[int], None] | None = None) -> int:
+    def top_up(self, order: Sequence[Subgroup], room: int, before_fill: Callable[[int], None] | None = None,
+               host_final: Callable[[Subgroup], Event | None] | None = None) -> int:
         """Fill slots for the next subgroups of ``order`` (the same list all step), in that order, while
         their slots fit in ``room`` bytes (the first that does not fit ends it: the update takes them in
-        this order); ``before_fill(step_bytes)`` is told before the first slot of this call is allocated
-        (within one call only these allocations can move the allocator's peak). Returns how many were
-        added. A slot comes from the caller's stream (backward's), whose queued kernels may still use the
-        block the allocator hands out: the copies wait for them."""
+        this order) and ``host_final(sg)`` gives the event after which their host states are final (the
+        last update's flush of that subgroup, which may still be running: the copy waits for it; None, not
+        known yet, ends it until the next call); ``before_fill(step_bytes)`` is told before the first slot
+        of this call is allocated (within one call only these allocations can move the allocator's peak).
+        Returns how many were added. A slot comes from the caller's stream (backward's), whose queued
+        kernels may still use the block the allocator hands out: the copies wait for them."""
         added = 0
         while self._next < len(order):
             sg = order[self._next]
             need = SLOT_BYTES_PER_ELEMENT * sg.numel
             if need > room:
+                break
+            after = host_final(sg) if host_final is not None else None
+            if host_final is not None and after is None:
                 break
             if before_fill is not None and not added:
                 before_fill(self.step_bytes)
@@ -64,6 +74,8 @@ class Prefetch:
             except torch.cuda.OutOfMemoryError:
                 break
             self.lane.wait(current_point(self.device))
+            if isinstance(after, torch.cuda.Event):
+                self.lane.wait(after)
             with self.lane.run(timed=False):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)

@@ -69,13 +69,14 @@ class Speculation:
     def __len__(self) -> int:
         return len(self._ahead)
 
-    def start(self, job: Job, landed: object) -> bool:
-        """Update ``job``'s subgroup ahead once its gradients have landed (``landed``: their event or None);
+    def start(self, job: Job, landed: object, after: object = None) -> bool:
+        """Update ``job``'s subgroup ahead once its gradients have landed (``landed``: their event or None)
+        and its host states are final (``after``: the last update's flush of it, an event, or None);
         False when no spare is free."""
         if not self._free or job.subgroup.index in self._ahead:
             return False
         ahead = self._ahead[job.subgroup.index] = _Ahead(job, self._free.pop())
-        ahead.done = self._engine.on_cpu(_run_ahead, ahead, landed, self._launch_share, self._engine)
+        ahead.done = self._engine.on_cpu(_run_ahead, ahead, (landed, after), self._launch_share, self._engine)
         return True
 
     def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
@@ -127,13 +128,14 @@ def _failed(done: Future) -> bool:
 
 
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
-def _run_ahead(ahead: _Ahead, landed: object, launch_share: float, engine: Engine) -> None:
-    """On ``launch_share`` of the CPU path's threads fewer (at least one fewer, at least one left): backward
-    launches its kernels from a thread that must find a core (elementwise work: the results do not depend
-    on the thread count)."""
+def _run_ahead(ahead: _Ahead, events: tuple, launch_share: float, engine: Engine) -> None:
+    """After ``events`` (each None or an event to synchronize with), on ``launch_share`` of the CPU path's
+    threads fewer (at least one fewer, at least one left): backward launches its kernels from a thread that
+    must find a core (elementwise work: the results do not depend on the thread count)."""
     sg = ahead.job.subgroup
-    if landed is not None:
-        landed.synchronize()
+    for event in events:
+        if event is not None:
+            event.synchronize()
     threads = torch.get_num_threads()
     fewer = max(1, threads - max(1, round(threads * launch_share))) if launch_share else threads
     if fewer != threads:

@@ -70,13 +70,16 @@ def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
 
 
 @pytest.mark.parametrize("schedule", [3, "gpu", "offload"], ids=str)
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, monkeypatch):
+@pytest.mark.parametrize("overlap,joined", [(False, True), (True, True), (True, False)],
+                         ids=["sync", "overlap", "overlap-flushing"])
+def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, joined, monkeypatch):
     """prefetch=True on real streams: the staged subgroups' states come in during backward (the budget
     leaves room for all of them here), and the result is the run without prefetch, bit for bit. "offload"
     must place alike in both runs (the CPU kernel's bits are not CUDA's): both plan on the same calibration
     from the first step (the first run measures it and stores it, the second loads it), and the refiner is
-    held still (a synchronous update without prefetch teaches it, one with prefetch does not)."""
+    held still (a synchronous update without prefetch teaches it, one with prefetch does not). Unless
+    ``joined``, backward starts while the last update may still flush: each fill waits on the GPU for its
+    own subgroup's flush event."""
     monkeypatch.setattr(Refiner, "learn", lambda *args, **kwargs: None)
     runs, filled, placed = [], [], []
     for prefetch in (False, True):
@@ -91,7 +94,8 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, mo
             opt.zero_grad()
             x = torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)
             loss = model(x).float().pow(2).mean()
-            opt.synchronize()  # the last update has ended when backward starts: the copies are not skipped
+            if joined:
+                opt.synchronize()  # the last update has ended when backward starts
             loss.backward()
             opt.step()
             opt.synchronize()
