@@ -55,7 +55,7 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
                    settings=settings)
 
 
-def ours(schedule: str, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
+def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
          spare_cores: int = 0, checkpointing: bool = False,
          path_threads: int | None = None, prefetch: bool = False,
          speculate: bool | int = False, bf16_cpu_path: bool = False,
@@ -313,6 +313,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_stream_clip_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True,
                                                                max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True,
                                                                staged_share=0.6),
+    # the same split as a user would ask for it: schedule=2 stages every other subgroup (28 of 55 at 1.36B)
+    "ours_k2_overlap_spec_prefetch_bf16": ours(2, stream_grads=True, overlap=True, speculate=True, prefetch=True,
+                                               bf16_cpu_path=True),
+    "ours_k2_overlap_stream_clip_prefetch_bf16": ours(2, stream_grads=True, overlap=True, max_grad_norm=CLIP,
+                                                      prefetch=True, bf16_cpu_path=True),
     "ours_offload_overlap_spec_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                bf16_cpu_path=True, staged_share=0.5),
     "ours_offload_overlap_spec_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,
