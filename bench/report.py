@@ -41,7 +41,8 @@ def steady(row: dict) -> dict:
     lets an update left running past step() get ahead (it moved such rows by 1-2%, one by 7%)."""
     walls = row.get("iter_walls_s")
     if walls and len(walls) > 1 and "first_wall_s" not in row:
-        row = {**row, "iter_s": statistics.median(walls[1:]), "first_wall_s": walls[0], "iter_walls_s": walls[1:]}
+        row = {**row, "iter_s": statistics.median(walls[1:]), "iter_mean_s": statistics.fmean(walls[1:]),
+               "first_wall_s": walls[0], "iter_walls_s": walls[1:]}
     return row
 
 
@@ -160,21 +161,22 @@ def _cells(r: dict) -> list[str]:
     if r.get("status") != "ok":
         reason = "does not fit" if r.get("status") == "oom" else r.get("status", "error")
         detail = (r.get("error") or "").splitlines()[0][:80] if r.get("error") else ""
-        return [f"{reason}: {detail}".rstrip(": ")] + [""] * 10
+        return [f"{reason}: {detail}".rstrip(": ")] + [""] * 11
     pcie = r["pcie_h2d_GB"] + r["pcie_d2h_GB"] if "pcie_h2d_GB" in r else None
-    return [_cell(r, "fwd_s"), _cell(r, "bwd_s"), _cell(r, "step_s"), _cell(r, "iter_s"),
+    return [_cell(r, "fwd_s"), _cell(r, "bwd_s"), _cell(r, "step_s"), _cell(r, "iter_s"), _cell(r, "iter_mean_s"),
             _cell(r, "update_Gparams_per_s", "{:.2f}"), _cell(r, "update_lower_bound_s"),
             _cell(r, "peak_gpu_GB", "{:.1f}"), _cell(r, "host_peak_GB", "{:.1f}"), _cell(r, "pinned_host_GB", "{:.1f}"),
             "-" if pcie is None else f"{pcie:.1f}", _cell(r, "loss_vs_reference", "{:.2%}")]
 
 
 def table(rows: list[dict]) -> str:
-    """One markdown table per model: every system under every budget, failures shown as such."""
+    """One markdown table per model: every system under every budget, failures shown as such. Iteration:
+    the median of the free-running walls, and their mean (where walls alternate, the loop runs at the mean)."""
     out = []
     for model in sorted({r["model"] for r in rows}):
-        out += [f"### {model}", "", "| system | budget | fwd s | bwd s | step s | iteration s | update G params/s "
-                "| update lower bound s | peak GPU GB | host peak GB | pinned host GB | PCIe GB/iter (in+out) "
-                "| loss vs reference |", "|" + "---|" * 13]
+        out += [f"### {model}", "", "| system | budget | fwd s | bwd s | step s | iteration s | iteration mean s "
+                "| update G params/s | update lower bound s | peak GPU GB | host peak GB | pinned host GB "
+                "| PCIe GB/iter (in+out) | loss vs reference |", "|" + "---|" * 14]
         for r in sorted((r for r in rows if r["model"] == model), key=lambda r: (r["budget_gb"] or 1e9, r["system"])):
             name = r["system"] + _measured_at(r)
             out.append("| " + " | ".join([name, _budget(r["budget_gb"]), *_cells(r)]) + " |")
@@ -261,7 +263,8 @@ def write_report(results: Path, command: str) -> int:
             f"{', '.join(sorted({r.get('date', '?') for r in rows}))}. Machine: {first.get('gpu', '?')}, "
             f"torch {first.get('torch', '?')}. Each system ran in its own process. Iteration: the median wall time "
             "of iterations run as a training loop runs them, synchronised only by reading the loss, the first of "
-            "them left out (rows with `iter_walls_s`; older rows: the sum of the phases); forward, backward and "
+            "them left out (rows with `iter_walls_s`; older rows: the sum of the phases), and their mean (where "
+            "the walls alternate, as with `prefetch`, the loop runs at the mean); forward, backward and "
             "step: measured in other "
             "iterations with a device synchronize around each phase.", "",
             *notes(results.parent),

@@ -60,6 +60,7 @@ def test_rows_recorded_with_their_first_wall_are_read_without_it(tmp_path):
     results.write_text("\n".join(json.dumps(r) for r in (old, new)) + "\n")
     rows = {r["system"]: r for r in report.load(results)}
     assert rows["ours_offload_overlap"]["iter_s"] == 0.6 and rows["ours_offload_overlap"]["first_wall_s"] == 0.1
+    assert abs(rows["ours_offload_overlap"]["iter_mean_s"] - 0.6) < 1e-12
     assert rows["ours_offload"]["iter_s"] == 0.55 and rows["ours_offload"]["iter_walls_s"] == [0.5, 0.55, 0.6]
 
 
@@ -73,12 +74,13 @@ def test_loss_check_accepts_bf16_noise_and_catches_divergence():
 
 
 def test_table_and_ratios_show_every_system_including_failures():
-    rows = [_row("ours_auto", iter_s=0.5, pcie_h2d_GB=10.0, pcie_d2h_GB=10.0, pinned_host_GB=21.8),
+    rows = [_row("ours_auto", iter_s=0.5, iter_mean_s=0.4, pcie_h2d_GB=10.0, pcie_d2h_GB=10.0, pinned_host_GB=21.8),
             _row("torchao_offload", iter_s=1.0), _row("deepspeed_zero3_offload", status="oom"),
             _row("ours_auto", budget=40, iter_s=0.6), _row("twinflow_0.5", budget=40, iter_s=1.8)]
     text = report.table(rows)
     assert "does not fit" in text and "| ours_auto | whole |" in text and "| 40 GB |" in text
     assert "| 20.0 |" in text  # PCIe in + out
+    assert "| 0.500 | 0.400 |" in text  # the walls' median and mean (a loop whose walls alternate runs at the mean)
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     assert len({line.count("|") for line in lines}) == 1  # every row has every column
     r = report.ratios(rows)
