@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .lanes import Event, Lane, current_point
+from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
 from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, slot_tensors
 
@@ -49,7 +49,7 @@ class Prefetch:
 
     @torch.no_grad()
     def top_up(self, order: Sequence[Subgroup], room: int, before_fill: Callable[[int], None] | None = None,
-               host_final: Callable[[Subgroup], Event | None] | None = None) -> int:
+               host_final: Callable[[Subgroup], Event | None] = lambda sg: Done()) -> int:
         """Fill slots for the next subgroups of ``order`` (the same list all step), in that order, while
         their slots fit in ``room`` bytes (the first that does not fit ends it: the update takes them in
         this order) and ``host_final(sg)`` gives the event after which their host states are final (the
@@ -64,8 +64,8 @@ class Prefetch:
             need = SLOT_BYTES_PER_ELEMENT * sg.numel
             if need > room:
                 break
-            after = host_final(sg) if host_final is not None else None
-            if host_final is not None and after is None:
+            after = host_final(sg)
+            if after is None:
                 break
             if before_fill is not None and not added:
                 before_fill(self.step_bytes)
