@@ -35,6 +35,7 @@ class Trainer:
     params: int
     extra: Callable[[], dict] = field(default=lambda: {})
     settings: str = ""
+    optimizer: object = None  # ours: the DeepOptimizerStates (bench/trace_loop.py names its streams)
 
 
 def _autocast(device: torch.device):
@@ -146,7 +147,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
-                       "fp32 masters on the host")
+                       "fp32 masters on the host", optimizer=opt)
     return build
 
 
