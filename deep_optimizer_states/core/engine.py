@@ -461,7 +461,7 @@ class Engine:
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), out.states):
                 dst.copy_(src, non_blocking=True)
-        flushed = self.stage_out.record()
+        flushed = self.stage_out.record(blocking=True)  # the flush queue's host waits sleep on it
         if out.slot is not None:
             out.slot.free = flushed
         self._on_settled(sg.index, flushed)

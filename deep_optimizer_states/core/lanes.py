@@ -22,19 +22,11 @@ class Done:
 
 
 Event = Union[torch.cuda.Event, Done, None]  # a point in a lane's work (None: nothing to wait for)
-POLL_S = 2e-4  # a quiet host wait's sleep between two queries of its event
 
 
 def happened(event: Event) -> bool:
     """Whether ``event`` has happened (one without ``query``, as ``Done`` and None, always has); never blocks."""
     return not hasattr(event, "query") or event.query()
-
-
-def wait_quietly(event: Event) -> None:
-    """Block the host until ``event`` has happened, sleeping between queries: a CUDA synchronize spins, and
-    the core it takes is one the CPU path's AdamW threads need while an update runs."""
-    while not happened(event):
-        time.sleep(POLL_S)
 
 
 class Queued:
@@ -62,9 +54,9 @@ class Queued:
         return self.depth - len(self._events)
 
     def admit(self) -> None:
-        """Block the host (quietly) until one more may be queued."""
+        """Block the host until one more may be queued (sleeping, for events recorded ``blocking``)."""
         while self.room() <= 0:
-            wait_quietly(self._events[0])
+            self._events[0].synchronize()
 
     def add(self, event: Event) -> None:
         """A copy just queued, done at ``event``."""
@@ -117,11 +109,13 @@ class Lane:
             return 0.0
         return first._elapsed(first._spans[0][0], last._spans[-1][1])
 
-    def record(self, timing: bool = False) -> Event:
-        """An event that completes when all work enqueued on this lane so far has completed."""
+    def record(self, timing: bool = False, blocking: bool = False) -> Event:
+        """An event that completes when all work enqueued on this lane so far has completed. A host waiting on
+        a ``blocking`` one sleeps (CUDA's blocking sync) instead of spinning on a core, which the CPU path's
+        AdamW threads and backward's launching thread need while an update runs beside them."""
         if self.stream is None:
             return Done()
-        return self.stream.record_event(torch.cuda.Event(enable_timing=True) if timing else None)
+        return self.stream.record_event(torch.cuda.Event(enable_timing=timing, blocking=blocking))
 
     def wait(self, event: Event) -> None:
         """Make later work on this lane wait for ``event`` (without blocking the host)."""
@@ -129,9 +123,9 @@ class Lane:
             self.stream.wait_event(event)
 
     def synchronize(self) -> None:
-        """Block the host until this lane's work has run (quietly: ``wait_quietly``)."""
+        """Block the host until this lane's work has run, sleeping meanwhile (a ``blocking`` event)."""
         if self.stream is not None:
-            wait_quietly(self.record())
+            self.record(blocking=True).synchronize()
 
 
 def current_point(device: torch.device) -> Event:
