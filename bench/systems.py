@@ -16,8 +16,6 @@ from typing import Callable
 
 import torch
 
-import deep_optimizer_states.core.engine as engine_module
-import deep_optimizer_states.core.prefetch as prefetch_module
 import deep_optimizer_states.optimizer as optimizer_module
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
@@ -64,8 +62,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          speculate: bool | int = False, bf16_cpu_path: bool = False,
          subgroup_size: int | None = None,
          launch_share: float | None = None,
-         staged_share: float | None = None,
-         queued: int | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         staged_share: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -77,14 +74,10 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;
     set for this process, which runs one system); ``staged_share``: that share of the subgroups staged, spread
     evenly, as a fixed schedule (the performance model does not choose: what a split it does not price
-    gives, e.g. more staging when ``prefetch`` brings the staged states in during backward); ``queued``: the
-    fills and flushes of subgroups filled ahead that may be on the GPU at once (``prefetch.FILLS_QUEUED``,
-    ``engine.FLUSHES_QUEUED``; set for this process), e.g. 1000 for every one at once as before call 36."""
+    gives, e.g. more staging when ``prefetch`` brings the staged states in during backward)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
-        if queued is not None:
-            prefetch_module.FILLS_QUEUED = engine_module.FLUSHES_QUEUED = queued
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -326,12 +319,6 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                bf16_cpu_path=True),
     "ours_k2_overlap_stream_clip_prefetch_bf16": ours(2, stream_grads=True, overlap=True, max_grad_norm=CLIP,
                                                       prefetch=True, bf16_cpu_path=True),
-    # every fill and flush of the subgroups filled ahead queued at once, as before call 36 (against the
-    # default: a few at a time)
-    "ours_k2_overlap_spec_prefetch_bf16_q1000": ours(2, stream_grads=True, overlap=True, speculate=True,
-                                                     prefetch=True, bf16_cpu_path=True, queued=1000),
-    "ours_k2_overlap_stream_clip_prefetch_bf16_q1000": ours(2, stream_grads=True, overlap=True, max_grad_norm=CLIP,
-                                                            prefetch=True, bf16_cpu_path=True, queued=1000),
     "ours_offload_overlap_spec_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                bf16_cpu_path=True, staged_share=0.5),
     "ours_offload_overlap_spec_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,

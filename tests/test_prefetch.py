@@ -418,53 +418,9 @@ def test_the_next_backward_fills_and_runs_ahead_while_the_last_update_still_flus
     _assert_same(*runs)
 
 
-def test_fills_are_queued_a_few_at_a_time_and_the_update_stages_the_rest_bit_for_bit():
-    """At most FILLS_QUEUED fills are on the GPU at once (a direction of the link runs one copy after
-    another: params going up for the next forward would wait behind all of them): with the fills' copies
-    held until the step, each backward fills that many, and the update stages the others itself."""
-    from deep_optimizer_states.core.lanes import Queued
-    from deep_optimizer_states.core.prefetch import FILLS_QUEUED
-    from tests.test_lanes import Copy
-
-    class Held(Queued):
-        def __init__(self) -> None:
-            super().__init__(FILLS_QUEUED)
-            self.copies: list[Copy] = []
-
-        def add(self, event) -> None:
-            self.copies.append(Copy())
-            super().add(self.copies[-1])
-
-    runs = []
-    for prefetch in (False, True):
-        model, opt = _build(prefetch, "llama", overlap=True, speculate=True)
-        if prefetch:
-            opt.prefetch.queued = Held()
-
-        def release(step):
-            for copy in opt.prefetch.queued.copies:
-                copy.run()
-        filled = _train(model, opt, steps=5, between=release if prefetch else None)
-        runs.append(_masters(model, opt))
-    assert opt.placements.count(Placement.STAGED) > FILLS_QUEUED
-    assert filled == [FILLS_QUEUED] * 5, "as many filled as may be queued, the update staged the others"
-    _assert_same(*runs)
-
-
-def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(monkeypatch):
-    """The subgroups filled ahead are updated (their params written for the next forward) before any
-    flush; flushes then go in the update's order, each one filled ahead admitted by the flush queue first
-    (held back on the host while FLUSHES_QUEUED are on the GPU)."""
-    from deep_optimizer_states.core import engine as engine_module
-
-    admits = []
-
-    class Recording(engine_module.Queued):
-        def admit(self) -> None:
-            admits.append(len(log))
-            super().admit()
-
-    monkeypatch.setattr(engine_module, "Queued", Recording)
+def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order():
+    """The subgroups filled ahead are updated (their params written, which the next forward waits for)
+    before any flush; the flushes then go in the update's order (the next backward fills in that order)."""
     model, opt = _build(True, "llama")
     room = 3 * SLOT_BYTES * max(sg.numel for sg in opt.layout.subgroups)
     opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
@@ -483,4 +439,3 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(mo
     assert all(k < first_flush for k, entry in enumerate(last) if entry[0] == "update" and entry[2]), \
         "every subgroup filled ahead updated before the first flush"
     assert [i for kind, i, *_ in last if kind == "flush"] == order, "flushed in the update's order"
-    assert len(admits) == 2 * 3, "the flush of each subgroup filled ahead, and only those, waits for room"

@@ -15,11 +15,10 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
   resident:    [stage_in]   only when just admitted: host states -> its GPU states (kept across steps)
                [resident]   grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
 
-The main thread enqueues the residents, then the updates of the staged subgroups filled ahead, then the
-staged pipeline in order (slots bound how far it runs ahead), the flushes of those filled ahead held back on
-the host while FLUSHES_QUEUED are on the GPU (a direction of the link runs one copy after another: a burst
-of flushes ready at once would hold up every other copy down); the residents have a stream of their own, so
-a staged subgroup's kernels never queue behind them (the link would idle meanwhile). The CPU worker takes CPU subgroups in order and keeps the gradients of
+The main thread enqueues the residents, then the updates of the staged subgroups filled ahead (their params
+are what the next forward waits for), then the staged pipeline and every flush in order (slots bound how far
+it runs ahead); the residents have a stream of their own, so a staged subgroup's kernels never queue behind
+them (the link would idle meanwhile). The CPU worker takes CPU subgroups in order and keeps the gradients of
 the next GRAD_LOOKAHEAD ones on their way down, so grads trickle at the CPU's pace instead of crowding the
 link and host memory at the start (with ``stream_grads`` they went down during backward: ``landed``).
 While the CPU updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs
@@ -39,7 +38,7 @@ import torch
 
 from . import cpu_adamw
 from .adam import AdamHyper, adam_update
-from .lanes import Done, Event, Lane, Queued, current_point
+from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
@@ -55,10 +54,6 @@ GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead 
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
 # slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
-# Flushes of subgroups filled ahead queued on the GPU at once (``lanes.Queued``): the others wait on the host,
-# so that a copy down that must go soon waits behind at most this many subgroups' states (3 x 100 MB each at
-# the default subgroup size, about 6.5 ms on an H200), not behind all of them.
-FLUSHES_QUEUED = 2
 
 
 @dataclass
@@ -307,15 +302,13 @@ class Engine:
             staged = [j for j in jobs if j.placement is Placement.STAGED]
             updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index])
                        for j in staged if j.subgroup.index in ahead}  # params first: the next forward waits for them
-            queued, turn = Queued(FLUSHES_QUEUED), 0
+            turn = 0
             for job in staged:  # flushed in order (the next backward fills in this order)
                 out = updated.get(job.subgroup.index)
-                if out is None:  # its flush is ready only once its way in has run: slots pace these
+                if out is None:
                     out = self._update_staged(job, slots[turn % len(slots)], multipliers, grads)
                     turn += 1
-                else:  # filled ahead: its flush is ready at once
-                    queued.admit()
-                queued.add(self._flush(out))
+                self._flush(out)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
             wait(pending)
             for lane in self.lanes.values():
@@ -461,7 +454,7 @@ class Engine:
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), out.states):
                 dst.copy_(src, non_blocking=True)
-        flushed = self.stage_out.record(blocking=True)  # the flush queue's host waits sleep on it
+        flushed = self.stage_out.record()
         if out.slot is not None:
             out.slot.free = flushed
         self._on_settled(sg.index, flushed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections import deque
 from typing import Iterator, Union
 
 import torch
@@ -22,46 +21,6 @@ class Done:
 
 
 Event = Union[torch.cuda.Event, Done, None]  # a point in a lane's work (None: nothing to wait for)
-
-
-def happened(event: Event) -> bool:
-    """Whether ``event`` has happened (one without ``query``, as ``Done`` and None, always has); never blocks."""
-    return not hasattr(event, "query") or event.query()
-
-
-class Queued:
-    """At most ``depth`` bulk copies (events) queued on the GPU at once, the rest held back on the host.
-
-    Each direction of the link runs its copies one at a time, whatever stream they come from, in the order
-    they became ready to run: on an H200 no two host-to-device (or device-to-host) copies of different
-    streams ever overlapped, and the training loop's 4-byte ``loss.item()`` waited 150 ms behind every
-    staged subgroup's flush, ready at once because their states had come in during backward (``prefetch``);
-    params going up for the next forward waited up to as long behind slots filled ahead. A copy that
-    must go soon (a gradient streamed down, a param going up, a loss read) waits behind at most ``depth``
-    of these instead of all of them (docs/benchmarks/overlap.md, call 35)."""
-
-    def __init__(self, depth: int) -> None:
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
-        self.depth = depth
-        self._events: deque = deque()
-
-    def room(self) -> int:
-        """How many more may be queued now (those that have run leave the count, in the order they were
-        queued: one direction's copies run in that order); never blocks."""
-        while self._events and happened(self._events[0]):
-            self._events.popleft()
-        return self.depth - len(self._events)
-
-    def admit(self) -> None:
-        """Block the host until one more may be queued (sleeping, for events recorded ``blocking``)."""
-        while self.room() <= 0:
-            self._events[0].synchronize()
-
-    def add(self, event: Event) -> None:
-        """A copy just queued, done at ``event``."""
-        if not happened(event):
-            self._events.append(event)
 
 
 class Lane:

@@ -22,16 +22,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .lanes import Done, Event, Lane, Queued, current_point
+from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
 from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, slot_tensors
-
-
-# Fills queued on the GPU at once (``lanes.Queued``): the host-to-GPU direction runs one copy after another, so
-# params going up for the next forward would wait behind every fill queued before them (up to 154 ms on an
-# H200 with 28 queued at once, docs/benchmarks/overlap.md call 35). Backward's gradient hooks top the queue up
-# as it drains; those not filled by the step are staged by the update itself.
-FILLS_QUEUED = 2
 
 
 class Prefetch:
@@ -40,7 +33,6 @@ class Prefetch:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.lane = Lane(device)
-        self.queued = Queued(FILLS_QUEUED)
         self.ready: dict[int, Ahead] = {}
         self.filled = 0  # subgroups filled ahead since the optimizer was built (telemetry)
         self.step_bytes = 0  # bytes allocated for fills this step, dropped ones included
@@ -64,11 +56,10 @@ class Prefetch:
         last update's flush of that subgroup, which may still be running: the copy waits for it; None, not
         known yet, ends it until the next call); ``before_fill(step_bytes)`` is told before the first slot
         of this call is allocated (within one call only these allocations can move the allocator's peak).
-        Returns how many were added. At most FILLS_QUEUED fills are on the GPU at a time (each call adds
-        what room the finished ones left). A slot comes from the caller's stream (backward's), whose queued
+        Returns how many were added. A slot comes from the caller's stream (backward's), whose queued
         kernels may still use the block the allocator hands out: the copies wait for them."""
         added = 0
-        while self._next < len(order) and self.queued.room() > 0:
+        while self._next < len(order):
             sg = order[self._next]
             need = SLOT_BYTES_PER_ELEMENT * sg.numel
             if need > room:
@@ -89,7 +80,6 @@ class Prefetch:
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
             self.ready[sg.index] = Ahead(p, g, m, v, self.lane.record())
-            self.queued.add(self.ready[sg.index].loaded)
             room -= need
             added += 1
             self._next += 1
