@@ -317,3 +317,35 @@ def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cann
     if not torch.cuda.is_available():
         assert cpu_kernel.main(["--numel", "4096", "--dma"]) == 1
         assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
+    """bench/trace_loop.py's analysis of a hand-written trace: the marker copies name the streams, each
+    iteration counts its streams' busy time and bytes, and a copy that started long after its enqueue call
+    shows in the copy waits (the 150 ms loss read of H200 call 35)."""
+    from bench import trace_loop
+
+    def copy(stream, ts, dur, nbytes, corr, way="DtoH (Device -> Pinned)"):
+        return {"cat": "gpu_memcpy", "name": f"Memcpy {way}", "ts": ts, "dur": dur,
+                "args": {"stream": stream, "bytes": nbytes, "correlation": corr}}
+
+    def call(ts, corr):
+        return {"cat": "cuda_runtime", "name": "cudaMemcpyAsync", "ts": ts, "dur": 1, "args": {"correlation": corr}}
+
+    events = [copy(29, 0, 1, 4, 1), copy(7, 2, 1, 8, 2),  # the markers: lane k copies 4 * (k + 1) bytes
+              {"cat": "user_annotation", "name": trace_loop.MARK, "ts": 10, "dur": 5},
+              {"cat": "user_annotation", "name": trace_loop.MARK, "ts": 1010, "dur": 5},
+              {"cat": "user_annotation", "name": trace_loop.MARK, "ts": 2010, "dur": 5},
+              call(100, 10), copy(29, 101, 400, 10**9, 10),  # a flush, started at once
+              call(102, 11), copy(29, 501, 400, 10**9, 11),  # another, behind the first
+              call(110, 12), copy(7, 901, 1, 4, 12),  # the loss read, behind both
+              call(1100, 13), copy(7, 1101, 1, 4, 13),
+              call(1200, 14), copy(7, 1201, 1, 4, 14)]
+    out = trace_loop.analyze(events, ["lane.stage_out", "default"])
+    assert out["lanes"] == {"29": "lane.stage_out", "7": "default"}
+    first, second = out["iterations"]
+    assert first["wall_ms"] == 1.0 and first["streams"]["lane.stage_out"]["busy_ms"] == 0.8
+    assert first["streams"]["lane.stage_out"]["d2h"] == 2.0 and "lane.stage_out" not in second["streams"]
+    waits = out["copy_waits"]
+    assert waits["lane.stage_out d2h"]["max_ms"] == 0.4 and waits["default d2h"]["max_ms"] == 0.79
+    assert waits["default d2h"]["median_ms"] == 0.0 and waits["default d2h"]["copies"] == 3

@@ -424,7 +424,7 @@ class Engine:
         self._on_written(sg.index, self.resident.record())
 
     def _update_staged(self, job: Job, slot: Slot | None, multipliers, grads: dict | None,
-                       filled: Ahead | None = None) -> "_Flush":
+                       filled: Ahead | None = None) -> _Flush:
         """Through ``slot`` (its way in first), or through a slot ``filled`` ahead (only its event awaited); the
         states' way back is returned, for ``_flush`` to enqueue."""
         sg = job.subgroup
@@ -447,7 +447,7 @@ class Engine:
         self._on_written(sg.index, written)
         return _Flush(sg, (p, m, v), written, slot)
 
-    def _flush(self, out: "_Flush") -> Event:
+    def _flush(self, out: _Flush) -> Event:
         """A staged subgroup's states back to the host, after its update; its slot is free again after that."""
         sg = out.subgroup
         self.stage_out.wait(out.written)
