@@ -102,6 +102,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             u, pred = opt.last_update, opt.plan.prediction
             history.append({"planned_staged": opt.placements.count(Placement.STAGED),
                             "predicted_s": None if pred is None else round(pred.seconds, 4),
+                            "predicted_iteration_s": None if pred is None else round(pred.iteration_s, 4),
+                            "rest_s": round(opt.planner.rest_s, 4),
                             "update_s": None if u is None else round(u.seconds, 4),
                             "staged": None if u is None else u.staged_subgroups,
                             "params_written_s": None if u is None or u.params_written_s is None
@@ -299,9 +301,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # default one (H200 call 25 ran the default at a quarter and this twin, then named _launch1, at 1/16)
     "ours_offload_overlap_spec_bf16_launch4": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                    bf16_cpu_path=True, launch_share=0.25),
-    # more of the subgroups staged than the model chooses (it prices every staged subgroup's way in inside
-    # the update; with prefetch about a backward's worth of them come in before it), with and without
-    # prefetch: 1.36B has 55 subgroups, "offload" staged 22-27 of them in calls 24-28
+    # fixed shares of the subgroups staged, with and without prefetch (1.36B has 55 subgroups; "offload"
+    # staged 22-27 of them in calls 24-28, before the model priced the fills during backward)
     "ours_offload_overlap_spec_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.5),
     "ours_offload_overlap_spec_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True, speculate=True,
@@ -311,6 +312,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_stream_clip_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True,
                                                                max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True,
                                                                staged_share=0.5),
+    "ours_offload_overlap_stream_clip_prefetch_bf16": ours("offload", stream_grads=True, overlap=True,
+                                                           max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True),
     "ours_offload_overlap_stream_clip_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True,
                                                                max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True,
                                                                staged_share=0.6),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 import traceback
 import warnings
 import weakref
@@ -181,7 +182,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device),
                                bf16=self.engine.bf16_kernel is not None
                                and all(sg.bf16 for sg in self.layout.subgroups),
-                               ahead_cap=speculate * largest)
+                               ahead_cap=speculate * largest, overlap=overlap, prefetch=prefetch)
+        self._stepped_at: float | None = None  # when the last step() began (the overlapped iteration's length)
+        self._timed_update: UpdateStats | None = None  # the update whose step that was
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed), self.engine.takes_bf16)
                             if stream_grads else None)
@@ -564,7 +567,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         """One AdamW step for every param that has a gradient; returns when params and states are updated."""
+        began = time.perf_counter()
         self.synchronize()  # the previous update, if step() left it running
+        if self._stepped_at is not None and self.last_update is not self._timed_update:  # the iteration priced
+            self.planner.observe_step(began - self._stepped_at, self.last_update.params_done_s)
+        self._stepped_at, self._timed_update = began, self.last_update
         loss = None
         if closure is not None:
             with torch.enable_grad():

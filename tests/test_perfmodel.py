@@ -14,6 +14,7 @@ from deep_optimizer_states.core.schedule import placements, spread
 from deep_optimizer_states.planning import calibrate
 from deep_optimizer_states.planning.perfmodel import (
     Rates,
+    Window,
     best_stride,
     choose,
     lower_bound,
@@ -140,15 +141,16 @@ def test_a_head_start_on_the_cpu_moves_work_to_it_and_is_priced_as_chosen():
     sizes = equal(60)
     before, plain = choose(sizes, H200_LIKE)
     ahead = 12 * 25e6
-    places, chosen = choose(sizes, H200_LIKE, ahead=ahead)
-    brute = min(predict(sizes, spread(60, s), H200_LIKE, 2, ahead).seconds for s in range(61))
+    places, chosen = choose(sizes, H200_LIKE, window=Window(ahead=ahead))
+    brute = min(predict(sizes, spread(60, s), H200_LIKE, 2, Window(ahead=ahead)).seconds for s in range(61))
     assert chosen.seconds == pytest.approx(brute, rel=1e-12)
-    assert predict(sizes, places, H200_LIKE, 2, ahead).seconds == pytest.approx(chosen.seconds, rel=1e-12)
+    assert predict(sizes, places, H200_LIKE, 2, Window(ahead=ahead)).seconds == \
+        pytest.approx(chosen.seconds, rel=1e-12)
     assert chosen.staged < plain.staged and chosen.seconds < plain.seconds
     # a head start never makes an update longer, and beyond the CPU's work it leaves the link's
-    assert all(predict(sizes, spread(60, s), H200_LIKE, 2, ahead).seconds
+    assert all(predict(sizes, spread(60, s), H200_LIKE, 2, Window(ahead=ahead)).seconds
                <= predict(sizes, spread(60, s), H200_LIKE, 2).seconds for s in range(61))
-    everything = predict(sizes, spread(60, 30), H200_LIKE, 2, ahead=sum(sizes))
+    everything = predict(sizes, spread(60, 30), H200_LIKE, 2, Window(ahead=sum(sizes)))
     assert everything.cpu_s == 0 and everything.link_s > 0
 
 
@@ -163,7 +165,7 @@ def test_the_planner_prices_the_head_start_that_updates_kept(monkeypatch):
                         overlapped=True)
     assert planner.ahead == 11.5 * 25e6
     again = planner.refresh()
-    assert again.placements == choose(sizes, planner.rates, 2, ahead=planner.ahead)[0]
+    assert again.placements == choose(sizes, planner.rates, 2, window=planner.window)[0]
     assert again.prediction.staged < first.prediction.staged
     assert planner.factors == {"cpu_engine": 1.0, "cpu_contended": 1.0, "link_contended": 1.0}  # no rate learnt
     still = _cuda_planner(monkeypatch, sizes, H200_LIKE)
@@ -189,13 +191,13 @@ def test_a_plan_that_left_speculation_no_work_prices_the_spares_until_an_update_
     assert planner.ahead == cap
     explored = planner.refresh()
     assert explored is not first and explored.prediction.staged < 60
-    assert explored.placements == choose(sizes, link_bound, 2, ahead=cap)[0]
+    assert explored.placements == choose(sizes, link_bound, 2, window=Window(ahead=cap))[0]
     planner.observe(_telemetry(explored.placements, 0.1), overlapped=True, planned_in_backward=False)
     assert planner.ahead == cap  # its backward ran under the plan before: it teaches nothing
     planner.observe(_telemetry(explored.placements, 0.1, speculated_elements=int(3 * 25e6)), overlapped=True)
     assert planner.ahead == 3 * 25e6  # speculation stopped short: what it kept is the head start
     settled = planner.refresh()
-    assert settled.placements == choose(sizes, link_bound, 2, ahead=3 * 25e6)[0]
+    assert settled.placements == choose(sizes, link_bound, 2, window=Window(ahead=3 * 25e6))[0]
     on_cpu = (60 - settled.prediction.staged) * 25e6
     planner.observe(_telemetry(settled.placements, 0.1, speculated_elements=int(on_cpu)), overlapped=True)
     assert planner.ahead == 3 * 25e6 and planner.refresh() is settled  # a floor again: the measure stays
@@ -204,6 +206,135 @@ def test_a_plan_that_left_speculation_no_work_prices_the_spares_until_an_update_
     for _ in range(3):
         plain.observe(_telemetry(plain.current.placements, 0.0), overlapped=True)
     assert plain.ahead == 0 and plain.refresh() is plan
+
+
+ONE_36B = [1_364_297_728 // 55] * 55  # the 1.36B model's 55 subgroups
+H200_BF16 = replace(H200_LIKE, cpu_engine=3.4e9, cpu_contended=2.9e9, link_contended=38e9, cpu_path_bytes=2)
+
+
+def _window(seed):
+    """A made-up window: any head start, fill, overlap and rest."""
+    u = torch.rand(5, generator=torch.Generator().manual_seed(seed)).tolist()
+    filled = math.inf if u[1] > 0.8 else u[1] * 1.2e9
+    return Window(ahead=u[0] * 5e8, filled=filled, overlap=u[2] > 0.3, rest_s=0.3 * u[3] if u[4] > 0.2 else 0.0)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_choice_in_any_window_is_the_best_spread_and_priced_as_predicted(seed):
+    """The vectorised choice minimises the predicted iteration over every spread in the same window, and
+    its prediction is the one ``predict`` gives the placement."""
+    window = _window(seed)
+    places, chosen = choose(ONE_36B, H200_BF16, window=window)
+    by_spread = [predict(ONE_36B, spread(55, s), H200_BF16, 2, window) for s in range(56)]
+    assert chosen.iteration_s == pytest.approx(min(p.iteration_s for p in by_spread), rel=1e-12)
+    again = predict(ONE_36B, places, H200_BF16, 2, window)
+    assert again.iteration_s == pytest.approx(chosen.iteration_s, rel=1e-12)
+    assert again.seconds == pytest.approx(chosen.seconds, rel=1e-12)
+    for p in by_spread:  # the iteration is the rest plus the update, and with overlap never under the cycle
+        assert p.iteration_s >= window.rest_s + p.seconds - 1e-12
+        assert p.iteration_s >= (p.cycle_s if window.overlap else 0.0)
+
+
+def test_fills_during_backward_and_flushes_beside_the_next_forward_leave_the_update():
+    """Each part of the window only shortens the update: a staged way in that came during backward leaves
+    the host-to-GPU direction (and the pipeline's first fill), a way back beside the next forward leaves
+    the update; the link's traffic of a step (the cycle) is the same whatever the window."""
+    for s in (10, 28, 45, 55):
+        places = spread(55, s)
+        alone = predict(ONE_36B, places, H200_BF16)
+        hidden = predict(ONE_36B, places, H200_BF16, 2, Window(overlap=True))
+        filled = predict(ONE_36B, places, H200_BF16, 2, Window(filled=math.inf, overlap=True))
+        half = predict(ONE_36B, places, H200_BF16, 2, Window(filled=s * ONE_36B[0] / 2, overlap=True))
+        assert filled.seconds <= half.seconds <= hidden.seconds <= alone.seconds
+        assert filled.cycle_s == hidden.cycle_s == alone.cycle_s > 0
+        assert filled.link_s < alone.link_s
+    # filled ahead but flushed inside the update: the way back still bounds the link as before
+    s28 = spread(55, 28)
+    assert predict(ONE_36B, s28, H200_BF16, 2, Window(filled=math.inf)).link_s == \
+        pytest.approx(predict(ONE_36B, s28, H200_BF16).link_s, rel=0.05)
+
+
+def test_prefetch_with_overlap_stages_more_until_the_links_cycle_binds():
+    """Priced as an isolated update (or overlapped without fills), a head start on the CPU moves the 1.36B
+    plan towards the CPU (19 of 55 staged here; on the H200 the model's split ran 0.374 s and half staged
+    with prefetch 0.290 s, overlap.md call 38). With the way in during backward and the way back beside the
+    next forward, the plan stages more, until the link's traffic of a step fills the iteration; clipped (no
+    head start) it stages more still."""
+    ahead = 13 * ONE_36B[0]
+    _, isolated = choose(ONE_36B, H200_BF16, window=Window(ahead=ahead))
+    _, overlapped = choose(ONE_36B, H200_BF16, window=Window(ahead=ahead, overlap=True, rest_s=0.14))
+    _, prefetched = choose(ONE_36B, H200_BF16, window=Window(ahead=ahead, filled=math.inf, overlap=True,
+                                                             rest_s=0.14))
+    _, clipped = choose(ONE_36B, H200_BF16, window=Window(filled=math.inf, overlap=True, rest_s=0.14))
+    assert isolated.staged == overlapped.staged < prefetched.staged < clipped.staged < 55
+    assert prefetched.iteration_s < overlapped.iteration_s
+    for chosen in (prefetched, clipped):  # balanced: the cycle within a subgroup's traffic of the rest + update
+        assert abs(chosen.cycle_s - (0.14 + chosen.seconds)) < 12 * ONE_36B[0] / H200_BF16.link_contended + 0.01
+    # a longer rest (backward) leaves the link more time: more staged
+    _, longer = choose(ONE_36B, H200_BF16, window=Window(ahead=ahead, filled=math.inf, overlap=True, rest_s=0.3))
+    assert longer.staged > prefetched.staged
+    with pytest.raises(ValueError, match=">= 0"):
+        Window(rest_s=-1.0)
+
+
+def _filling_planner(monkeypatch, sizes, rates, room_elements, ahead_cap=0):
+    """A planner for ``overlap`` and ``prefetch`` on a GPU whose memory for slots filled ahead holds
+    ``room_elements``."""
+    planner = Planner(sizes, torch.device("cuda"), 2, rates, ahead_cap=ahead_cap, overlap=True, prefetch=True)
+    monkeypatch.setattr(planner, "slots_that_fit", lambda: 2)
+    monkeypatch.setattr(planner, "fill_room", lambda: int(16 * room_elements))
+    return planner
+
+
+def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monkeypatch):
+    """Under overlap the planner learns the iteration outside the update (time between two steps less the
+    update's time to its last param write, the median of recent steps) and plans again for it; with
+    prefetch it prices as many fills as the memory for them holds until updates show fills stopping short,
+    then their median. Without overlap nothing is learnt from step times."""
+    sizes = ONE_36B
+    planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
+    first = planner.plan("offload")
+    assert planner.window == Window(filled=float(10**12), overlap=True)
+    for period, written in ((0.40, 0.20), (0.35, 0.20), (0.36, 0.22), (0.37, 0.21), (0.9, 0.2)):  # 0.9: an eval
+        planner.observe_step(period, written)
+    assert planner.rest_s == pytest.approx(0.16)
+    again = planner.refresh()
+    assert again is not first and again.placements == choose(sizes, H200_BF16, 2, window=planner.window)[0]
+    assert again.prediction.staged > first.prediction.staged  # the link has the rest of the step too
+    assert planner.refresh() is again  # nothing moved
+    staged = [n for n, p in zip(sizes, again.placements) if p is Placement.STAGED]
+    for filled in (len(staged), 10, 9, 9):  # the first update teaches nothing; then short of its plan
+        planner.observe(_telemetry(again.placements, 0.1, prefetched_elements=filled * sizes[0]), overlapped=True)
+    assert planner.filled == 9 * sizes[0]
+    short = planner.refresh()
+    assert short.placements == choose(sizes, H200_BF16, 2, window=planner.window)[0]
+    assert short.prediction.staged < again.prediction.staged
+    planner.observe(_telemetry(short.placements, 0.1, prefetched_elements=0), overlapped=True,
+                    planned_in_backward=False)  # its backward filled for another plan: teaches nothing
+    assert planner.filled == 9 * sizes[0]
+    tight = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=3 * sizes[0])
+    assert tight.plan("offload").prediction is not None and tight.filled == 3 * sizes[0]  # the memory bounds
+    plain = Planner(sizes, torch.device("cuda"), 2, H200_BF16)
+    plain.observe_step(0.4, 0.2)
+    assert plain.rest_s == 0.0 and plain.window == Window()
+
+
+def test_an_overlapped_optimizer_tells_its_planner_each_steps_length():
+    """The optimizer times each step() against the last one and tells the planner with the update's time
+    to its last param write."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=300, overlap=True)
+    seen = []
+    real = opt.planner.observe_step
+    opt.planner.observe_step = lambda period, written: (seen.append((period, written)), real(period, written))
+    for _ in range(4):
+        model(torch.randn(8, 32)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    assert len(seen) == 3 and all(period > 0 and written is not None and written >= 0 for period, written in seen)
+    assert opt.planner.rest_s > 0
+    opt.close()
 
 
 def test_lower_bound_is_below_every_plan():
@@ -337,11 +468,12 @@ def _cuda_planner(monkeypatch, sizes, rates, ahead_cap=0):
     return planner
 
 
-def _telemetry(places, cpu_adam_seconds, seconds=1.0, prefetched=0, speculated_elements=0):
+def _telemetry(places, cpu_adam_seconds, seconds=1.0, prefetched=0, speculated_elements=0, prefetched_elements=0):
     """What the planner reads of an update that ran ``places``."""
     staged = places.count(Placement.STAGED)
     return SimpleNamespace(seconds=seconds, cpu_adam_seconds=cpu_adam_seconds, staged_subgroups=staged,
                            cpu_subgroups=len(places) - staged, prefetched=prefetched,
+                           prefetched_elements=prefetched_elements,
                            speculated=int(speculated_elements > 0), speculated_elements=speculated_elements)
 
 

@@ -95,8 +95,10 @@ class UpdateStats:
     fallbacks: int = 0  # resident or staged subgroups that found no GPU memory and took the CPU path
     timeline: list[dict] | None = None  # with Engine.trace: every block of work, {lane, start, end, label}
     params_written_s: float | None = None  # overlap: from the update's start until every param write was enqueued
+    params_done_s: float | None = None  # overlap: ... until every param write had run (on a GPU, its clock)
     forward_wait_s: float | None = None  # overlap: how long the caller was blocked waiting for those writes
     prefetched: int = 0  # staged subgroups whose states came in during backward (their slots filled ahead)
+    prefetched_elements: int = 0  # their elements
     speculated: int = 0  # CPU subgroups whose AdamW ran during backward and was kept (only their params went up)
     speculated_elements: int = 0  # their elements: the CPU work done before the update began
 
@@ -326,7 +328,8 @@ class Engine:
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
         stats.admitted, stats.timeline = len(fresh), timeline
-        stats.prefetched = sum(j.placement is Placement.STAGED and j.subgroup.index in ahead for j in jobs)
+        filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
+        stats.prefetched, stats.prefetched_elements = len(filled), sum(filled)
         stats.speculated = sum(j.ran_ahead is not None for j in jobs)
         stats.speculated_elements = sum(j.subgroup.numel for j in jobs if j.ran_ahead is not None)
         stats.fallbacks = fallbacks + staged_planned - stats.staged_subgroups
@@ -406,7 +409,7 @@ class Engine:
         self._on_settled(sg.index, Done())
         with self.params_up.run(f"sg{sg.index}"):
             _params_from(sg.bf16_halves()[1] if sg.index in feed.bf16 else sg.master, sg, scratch)
-        self._on_written(sg.index, self.params_up.record())
+        self._on_written(sg.index, self.params_up.record(timing=True))
 
     def _update_resident(self, job: Job, residents: Residents, fresh: bool, scratch: torch.Tensor,
                          multipliers, grads: dict | None) -> None:
@@ -421,7 +424,7 @@ class Engine:
             _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
-        self._on_written(sg.index, self.resident.record())
+        self._on_written(sg.index, self.resident.record(timing=True))
 
     def _update_staged(self, job: Job, slot: Slot | None, multipliers, grads: dict | None,
                        filled: Ahead | None = None) -> _Flush:
@@ -443,7 +446,7 @@ class Engine:
             _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
-        written = self.gpu.record()
+        written = self.gpu.record(timing=True)  # timed: when the params were written (overlap)
         self._on_written(sg.index, written)
         return _Flush(sg, (p, m, v), written, slot)
 

@@ -84,6 +84,7 @@ class UpdateInFlight:
         self._started = 0.0
         self._last_written = 0.0  # perf_counter when the newest subgroup's params were enqueued
         self._waited = 0.0  # seconds the caller's thread spent blocked in wait_for during this update
+        self._origin: torch.cuda.Event | None = None  # a timing event where the update began on the GPU
 
     @property
     def busy(self) -> bool:
@@ -108,6 +109,8 @@ class UpdateInFlight:
 
     def _run(self, update: Callable[[], object]) -> object:
         self._started = self._last_written = time.perf_counter()
+        if self.device.type == "cuda":
+            self._origin = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
         try:
             with torch.no_grad():
                 return update()
@@ -174,8 +177,9 @@ class UpdateInFlight:
 
     def join(self) -> object:
         """Wait for the update to end (the engine returns once every lane has run): its result, or its error
-        raised here. The result's ``params_written_s`` and ``forward_wait_s`` say how long the update took
-        to enqueue every param write and how long the caller's forward was blocked on it meanwhile."""
+        raised here. The result's ``params_written_s``, ``params_done_s`` and ``forward_wait_s`` say how long
+        the update took to enqueue every param write, until they had all run (on a GPU: its clock, so
+        that copies waiting on the link count), and how long the caller's forward was blocked meanwhile."""
         future, self._future = self._future, None
         if future is None:
             return None
@@ -183,11 +187,20 @@ class UpdateInFlight:
             stats = future.result()
             if hasattr(stats, "params_written_s"):
                 stats.params_written_s = self._last_written - self._started
+                stats.params_done_s = self._done_s(stats.params_written_s)
                 stats.forward_wait_s = self._waited
             return stats
         finally:
             self._written, self._settled = {}, {}
             future = None  # it holds a failed update's error, whose traceback holds this frame: no cycle
+
+    def _done_s(self, enqueued_s: float) -> float:
+        """Seconds from the update's start until its last param write had run: on a GPU from timing events
+        (the update has ended, so they have happened), else when they were enqueued (the CPU runs them so)."""
+        events = [e for _, e in self._written.values() if isinstance(e, torch.cuda.Event)]
+        if self._origin is None or not events:
+            return enqueued_s
+        return max(enqueued_s, max(self._origin.elapsed_time(e) for e in events) / 1e3)
 
     def close(self) -> None:
         """Stop the thread once its update has ended; not waiting when called on that thread itself (the

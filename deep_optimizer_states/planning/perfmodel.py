@@ -20,14 +20,27 @@ With equal subgroups and no residents this reduces to the paper's stride rule: s
 balances when (k - 1) CPU updates take as long as one staged subgroup's transfer,
 k* = 1 + t_link / t_cpu (``stride_formula``).
 
-With ``speculate`` the CPU path's AdamW of some subgroups runs during backward and is kept: ``ahead``
-elements of CPU work done before the update starts (what recent updates kept, ``plan.Planner``). The CPU
-path then has that much less to do beside the link, so the balance moves towards the CPU; its transfers
-and per-subgroup costs are still priced (conservatively: their params still go up in the update).
+The iteration around the update gives it a ``Window`` (what ``plan.Planner`` learnt from recent steps):
+- ``ahead`` (``speculate``): elements of the CPU path's AdamW run during backward and kept. The CPU path has
+  that much less to do beside the link, so the balance moves towards the CPU; its transfers and
+  per-subgroup costs are still priced (conservatively: their params still go up in the update).
+- ``filled`` (``prefetch``): elements of staged subgroups whose way in came during backward. Their 12 B
+  per element up leave the update's host-to-GPU direction; the first staged subgroup's fill leaves the
+  pipeline's fill once it is among them.
+- ``overlap``: the update runs beside the next forward, which waits only for params. A staged subgroup's
+  way back then leaves the critical path (its params are written on the GPU first), so the price is the
+  time until the last param is written, and the link's whole traffic of a step, both ways
+  (``Prediction.cycle_s``), bounds the iteration instead: ``Prediction.iteration_s`` is the larger of
+  ``rest_s`` (the rest of the iteration: backward, the step's own work, the forward after the last write)
+  plus the update, and that cycle. ``choose`` minimises ``iteration_s``; without overlap it is ``rest_s``
+  plus the update. So with prefetch and overlap, staging is priced by the link's cycle rather than inside
+  the update, and the plan stages more (on an H200, 1.36B: 19 of 55 staged without it; half staged ran
+  0.290 against 0.374 s, docs/benchmarks/overlap.md call 38).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple, Sequence
 
@@ -66,19 +79,38 @@ class Rates:
 
 
 @dataclass(frozen=True)
+class Window:
+    """What the iteration around the update gives it (all defaults: an update alone, nothing overlapped)."""
+
+    ahead: float = 0.0  # CPU AdamW elements run during backward and kept (``speculate``)
+    filled: float = 0.0  # staged elements whose way in came during backward (``prefetch``); math.inf: all
+    overlap: bool = False  # the next forward waits only for params: the staged way back is off the critical path
+    rest_s: float = 0.0  # the iteration's time outside the update (0: not measured yet)
+
+    def __post_init__(self) -> None:
+        if min(self.ahead, self.filled, self.rest_s) < 0 or math.isnan(self.ahead + self.filled + self.rest_s):
+            raise ValueError(f"a window's elements and seconds are >= 0, got {self}")
+
+
+ISOLATED = Window()
+
+
+@dataclass(frozen=True)
 class Prediction:
     """Predicted update time and what each resource is busy with."""
 
-    seconds: float
+    seconds: float  # the update; with ``Window.overlap`` until its last param is written
     body_s: float  # the overlapped part, without fill and drain
     fill_drain_s: float
     cpu_s: float  # CPU AdamW busy time
-    link_s: float  # link busy time, each direction (staged subgroups and the CPU path's grads and masters)
+    link_s: float  # link busy time in the update, the busier direction (staged subgroups, the CPU path's copies)
     gpu_s: float  # GPU AdamW and casts
     bottleneck: str
     staged: int
     cpu: int
     resident: int
+    cycle_s: float = 0.0  # the link's busy time per step, each direction, wherever it runs (every copy of the update)
+    iteration_s: float = 0.0  # what ``choose`` minimises: the window's rest plus the update, at least the cycle
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -121,58 +153,66 @@ def counts(sizes: Sequence[float], places: Sequence[Placement]) -> Counts:
                   staged[-1] if staged else 0)
 
 
-def _fills(k: Counts, r: Rates) -> tuple[float, float]:
+def _fills(k: Counts, r: Rates, w: Window = ISOLATED) -> tuple[float, float]:
     cpu_fill = r.cpu_path_bytes * (k.cpu_first / r.d2h + k.cpu_last / r.h2d) if k.cpu else 0.0
-    link_fill = STAGED_BYTES * k.staged_first / r.h2d + k.staged_last / r.gpu_adam if k.staged else 0.0
+    first_in = 0.0 if w.filled >= k.staged_first else STAGED_BYTES * k.staged_first / r.h2d  # filled in order
+    link_fill = first_in + k.staged_last / r.gpu_adam if k.staged else 0.0
     return cpu_fill, link_fill
 
 
-def fills(sizes: Sequence[float], places: Sequence[Placement], r: Rates) -> tuple[float, float]:
+def fills(sizes: Sequence[float], places: Sequence[Placement], r: Rates,
+          window: Window = ISOLATED) -> tuple[float, float]:
     """Transfers that nothing overlaps: the CPU path's first grad down and last master up; the staged path's
-    first way in and last GPU update (the way back starts one transfer after the way in)."""
-    return _fills(counts(sizes, places), r)
+    first way in (unless it came during backward) and last GPU update (the way back starts one transfer
+    after the way in)."""
+    return _fills(counts(sizes, places), r, window)
 
 
 def predict(sizes: Sequence[float], places: Sequence[Placement], r: Rates, slots: int = 2,
-            ahead: float = 0.0) -> Prediction:
-    """Predicted update time for subgroups of ``sizes`` elements placed as ``places``, ``ahead`` elements of
-    CPU AdamW done during backward."""
-    return price(counts(sizes, places), r, slots, ahead)
+            window: Window = ISOLATED) -> Prediction:
+    """Predicted update time for subgroups of ``sizes`` elements placed as ``places``, in ``window``."""
+    return price(counts(sizes, places), r, slots, window)
 
 
-def price(k: Counts, r: Rates, slots: int = 2, ahead: float = 0.0) -> Prediction:
+def price(k: Counts, r: Rates, slots: int = 2, window: Window = ISOLATED) -> Prediction:
     """Predicted update time of a placement given by its ``Counts``: constant time in the subgroup count."""
-    c, s, resident = max(0.0, k.cpu_sum - ahead), k.staged_sum, k.resident_sum
+    w = window
+    c, s, resident = max(0.0, k.cpu_sum - w.ahead), k.staged_sum, k.resident_sum
     turns = 1 if slots > 1 else 2  # one slot: the way in and the way back take turns
-    link_work = STAGED_BYTES * s + r.cpu_path_bytes * k.cpu_sum  # bytes per direction
+    cpu_copies = r.cpu_path_bytes * k.cpu_sum
+    way_in = STAGED_BYTES * (s - min(s, w.filled)) + cpu_copies  # bytes, host to GPU, in the update
+    way_out = (0 if w.overlap else STAGED_BYTES * s) + cpu_copies  # bytes, GPU to host, the update waits for
+    link_work = max(way_in, way_out)
+    cycle = (STAGED_BYTES * s + cpu_copies) / r.link_contended
     if s:
         cpu_body, link_body = _two_phases(c, r.cpu_contended, r.cpu_engine,
                                           link_work, r.link_contended / turns, r.link / turns)
     else:  # the CPU path alone: its rate already includes its own light traffic
         cpu_body, link_body = c / r.cpu_engine, link_work / r.link
     gpu_s = s / r.gpu_adam + resident / r.resident_path + (s + c) / r.gpu_upcast
-    cpu_fill, link_fill = _fills(k, r)
+    cpu_fill, link_fill = _fills(k, r, w)
     cpu_fill += k.cpu * r.per_subgroup_s
     seconds = max(cpu_body + cpu_fill, link_body + link_fill, gpu_s)
     body = max(cpu_body, link_body, gpu_s)
     busy = {"cpu": cpu_body, "link": link_body, "gpu": gpu_s}
+    iteration = max(w.rest_s + seconds, cycle) if w.overlap else w.rest_s + seconds
     return Prediction(seconds, body, seconds - body, cpu_body, link_body, gpu_s,
-                      max(busy, key=busy.get), k.staged, k.cpu, k.resident)
+                      max(busy, key=busy.get), k.staged, k.cpu, k.resident, cycle, iteration)
 
 
 def choose(sizes: Sequence[int], r: Rates, slots: int = 2, resident: int = 0,
-           ahead: float = 0.0) -> tuple[list[Placement], Prediction]:
-    """The placement with the least predicted time over every count of staged subgroups, spread evenly,
-    beside ``resident`` elements updated resident (their GPU time counts, they are not placed here), with
-    ``ahead`` elements of CPU AdamW done during backward.
+           window: Window = ISOLATED) -> tuple[list[Placement], Prediction]:
+    """The placement with the least predicted iteration (``Prediction.iteration_s``) over every count of
+    staged subgroups, spread evenly, beside ``resident`` elements updated resident (their GPU time counts,
+    they are not placed here), in ``window``.
 
     Every count is priced at once from its sums and end subgroups (``_times_by_count``): a few vector
     operations over the counts instead of a placement list per count. The winner (the smallest count among
     equal times) gets the same prediction as ``predict`` gives its placement with the residents.
     """
     table = torch.tensor(sizes, dtype=torch.int64)
-    staged = int(torch.argmin(_times_by_count(table, r, slots, resident, ahead)))
-    return spread(len(sizes), staged), price(_spread_counts(table, staged, resident), r, slots, ahead)
+    staged = int(torch.argmin(_times_by_count(table, r, slots, resident, window)))
+    return spread(len(sizes), staged), price(_spread_counts(table, staged, resident), r, slots, window)
 
 
 def _marks_below(table: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -204,16 +244,16 @@ def _spread_counts(table: torch.Tensor, staged: int, resident: int = 0) -> Count
 
 
 def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0,
-                    ahead: float = 0.0) -> torch.Tensor:
-    """``price(_spread_counts(table, s), r, slots, ahead).seconds`` for every s in 0..count, in float64 with the same
-    operations in the same order as ``price``, so the times are identical. With s in 1..count-1, the first
-    staged subgroup is 0, the last one (s - 1) * count // s, the first on the CPU ceil(s / (count - s)) and
-    the last on the CPU count - 1."""
-    count = len(table)
+                    window: Window = ISOLATED) -> torch.Tensor:
+    """``price(_spread_counts(table, s), r, slots, window).iteration_s`` for every s in 0..count, in float64
+    with the same operations in the same order as ``price``, so the times are identical. With s in
+    1..count-1, the first staged subgroup is 0, the last one (s - 1) * count // s, the first on the CPU
+    ceil(s / (count - s)) and the last on the CPU count - 1."""
+    count, w = len(table), window
     f64 = torch.float64
     out = torch.empty(count + 1, dtype=f64)
-    out[0] = price(_spread_counts(table, 0, resident), r, slots, ahead).seconds
-    out[count] = price(_spread_counts(table, count, resident), r, slots, ahead).seconds
+    out[0] = price(_spread_counts(table, 0, resident), r, slots, w).iteration_s
+    out[count] = price(_spread_counts(table, count, resident), r, slots, w).iteration_s
     if count == 1:
         return out
     s = torch.arange(1, count, dtype=torch.int64)  # the mixes: at least one subgroup on each path
@@ -222,18 +262,24 @@ def _times_by_count(table: torch.Tensor, r: Rates, slots: int, resident: int = 0
     cpu_sum = total - staged_sum
     first_cpu = table[(s + (count - s) - 1) // (count - s)].to(f64)
     last_staged = table[((s - 1) * count) // s].to(f64)
-    c, st = torch.clamp(cpu_sum.to(f64) - ahead, min=0.0), staged_sum.to(f64)
+    c, st = torch.clamp(cpu_sum.to(f64) - w.ahead, min=0.0), staged_sum.to(f64)
     turns = 1 if slots > 1 else 2
-    link_work = (STAGED_BYTES * staged_sum + r.cpu_path_bytes * cpu_sum).to(f64)
+    cpu_copies = r.cpu_path_bytes * cpu_sum.to(f64)
+    way_in = STAGED_BYTES * (st - torch.clamp(st, max=w.filled)) + cpu_copies
+    way_out = (0 if w.overlap else STAGED_BYTES * st) + cpu_copies
+    link_work = torch.maximum(way_in, way_out)
+    cycle = (STAGED_BYTES * st + cpu_copies) / r.link_contended
     rate_b, alone_b = r.link_contended / turns, r.link / turns
     together = torch.minimum(c / r.cpu_contended, link_work / rate_b)
     cpu_body = together + (c - r.cpu_contended * together) / r.cpu_engine
     link_body = together + (link_work - rate_b * together) / alone_b
     gpu_s = st / r.gpu_adam + resident / r.resident_path + float(total) / r.gpu_upcast
     cpu_fill = r.cpu_path_bytes * (first_cpu / r.d2h + float(table[-1]) / r.h2d)
-    link_fill = STAGED_BYTES * float(table[0]) / r.h2d + last_staged / r.gpu_adam
+    first_in = 0.0 if w.filled >= float(table[0]) else STAGED_BYTES * float(table[0]) / r.h2d
+    link_fill = first_in + last_staged / r.gpu_adam
     cpu_fill = cpu_fill + (count - s).to(f64) * r.per_subgroup_s
-    out[1:count] = torch.maximum(torch.maximum(cpu_body + cpu_fill, link_body + link_fill), gpu_s)
+    seconds = torch.maximum(torch.maximum(cpu_body + cpu_fill, link_body + link_fill), gpu_s)
+    out[1:count] = torch.maximum(w.rest_s + seconds, cycle) if w.overlap else w.rest_s + seconds
     return out
 
 

@@ -17,6 +17,14 @@ element its plan gave (none, when the plan staged everything) shows only a floor
 larger. Until an update shows where speculation stops, the plan prices the most the spares can hold, so a
 plan that staged everything does not stay there for want of a head start it never let run (on an H200 x2
 the 2-rank plans staged every subgroup, and speculation had nothing to do: fsdp2.md, call 17).
+
+With ``overlap`` and ``prefetch`` the plan prices the iteration, not the update alone (``perfmodel.Window``):
+the staged subgroups' way in that came during backward (as many as the memory for slots filled ahead
+holds, until an update shows fills stopping short: then the median of what recent updates found filled),
+and the rest of the iteration around the update (the median over recent steps of the time between two
+``step()`` calls less the update's time until its last param write had run), beside which the link's
+traffic of a whole step bounds the iteration. It plans again when either moves (REPLAN_AHEAD of all
+elements, REPLAN_REST of the rest).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from ..core.ranks import RankSync
 from ..core.residency import RESIDENT_BYTES_PER_ELEMENT
 from ..core.schedule import MODELLED, Placement, Schedule, placements, validate_schedule
 from .budget import CudaProbe, MemoryBudget
-from .perfmodel import Prediction, Rates, choose, predict
+from .perfmodel import Prediction, Rates, Window, choose, predict
 from .refine import Refiner
 
 if TYPE_CHECKING:
@@ -47,6 +55,7 @@ RESIDENT_SCRATCH_BYTES_PER_ELEMENT = 4  # the residents' fp32 grad buffer
 REPLAN_CHANGE = 0.02  # "auto" plans again when a refined rate moved by more than this since the last plan
 AHEAD_WINDOW = 5  # recent updates whose median of CPU elements kept from speculation is the head start
 REPLAN_AHEAD = 0.02  # ... and plans again when that head start moved by more than this share of all elements
+REPLAN_REST = 0.1  # ... or the rest of the overlapped iteration by more than this share of it
 
 
 @dataclass(frozen=True)
@@ -67,13 +76,15 @@ class Planner:
 
     def __init__(self, sizes: list[int], device: torch.device, max_slots: int, rates: Rates | None = None,
                  budget: MemoryBudget | None = None, provisional: Schedule = "auto",
-                 sync: RankSync | None = None, bf16: bool = False, ahead_cap: int = 0) -> None:
+                 sync: RankSync | None = None, bf16: bool = False, ahead_cap: int = 0, overlap: bool = False,
+                 prefetch: bool = False) -> None:
         """``provisional``: the fixed schedule "auto" runs until calibration ("cpu" when gradients are
         streamed off the GPU: the first backward then keeps none of them there). ``sync``: the ranks that
         plan together (FSDP2); they decide together whether to load stored rates or to calibrate, and
         calibrate in lock-step. ``bf16``: the engine runs its bf16 CPU path (its rates are calibrated apart).
         ``ahead_cap``: the CPU elements ``speculate`` can run ahead per step (its spares times the largest
-        subgroup); 0 without speculation."""
+        subgroup); 0 without speculation. ``overlap``, ``prefetch``: the optimizer's options of those names
+        (the plan then prices the iteration around the update, ``window``)."""
         self.sizes, self.device, self.max_slots, self.bf16 = sizes, device, max_slots, bf16
         self.provisional = validate_schedule(provisional)
         if budget is None:
@@ -90,7 +101,10 @@ class Planner:
         self.ahead_cap = ahead_cap
         self._ahead_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # CPU elements each update found done ahead
         self._ahead_floor = False  # an update kept all its plan's CPU work: a head start of unknown size
-        self._planned_ahead = 0.0
+        self.overlap, self.prefetch = overlap, prefetch
+        self._filled_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # staged elements found filled, fills short
+        self._rest_seen: deque[float] = deque(maxlen=AHEAD_WINDOW)  # seconds of each step outside its update
+        self._planned_window = Window()
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
         self.current: Plan | None = None
@@ -157,6 +171,41 @@ class Planner:
         return float(self.ahead_cap) if self._ahead_floor else 0.0
 
     @property
+    def filled(self) -> float:
+        """Staged elements the next update should find filled during backward (``prefetch``): as many as the
+        GPU memory for slots filled ahead holds, or fewer, the median of what recent updates found where the
+        fills stopped short of their plan's staged subgroups; 0 without prefetch."""
+        if not self.prefetch:
+            return 0.0
+        room = self.fill_room() // SLOT_BYTES_PER_ELEMENT
+        return float(min(room, statistics.median(self._filled_seen))) if self._filled_seen else float(room)
+
+    @property
+    def rest_s(self) -> float:
+        """Seconds of a step outside its update (``overlap``): the median over recent steps; 0 before any."""
+        return float(statistics.median(self._rest_seen)) if self._rest_seen else 0.0
+
+    @property
+    def window(self) -> Window:
+        """What the iteration gives the next update, as recent steps showed it."""
+        return Window(self.ahead, self.filled, self.overlap, self.rest_s)
+
+    def fill_room(self) -> int:
+        """GPU bytes that slots filled during backward may take, beside forward's and backward's measured
+        need, the residents this plan keeps and the update's own buffers; 0 before a need was measured."""
+        if not self.budget.active or self.budget.need is None:
+            return 0
+        residents = RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])
+        return max(0, self.budget.resident_room() - residents - self._update_buffers())
+
+    def observe_step(self, period_s: float, params_done_s: float | None) -> None:
+        """Learn the rest of the iteration (``overlap``) from the seconds between two ``step()`` calls and the
+        first one's update's time until its last param write had run (on the GPU's clock: a write that
+        waited for a fill counts in the update, or a link-bound plan would look like a long rest)."""
+        if self.overlap and params_done_s is not None and period_s > 0:
+            self._rest_seen.append(max(0.0, period_s - params_done_s))
+
+    @property
     def factors(self) -> dict[str, float]:
         """What real updates showed of each refined rate, as a factor on the calibrated one."""
         return self.refiner.factors()
@@ -181,12 +230,17 @@ class Planner:
         show their contention, not the rates of an update the model prices; learning from them moved the
         1.36B plans on an H200 towards staging everything, and the iterations got slower
         (docs/benchmarks/overlap.md). Nor does one whose staged subgroups came in during backward
-        (``prefetch``): the model prices every staged subgroup's way in inside the update, nor one whose CPU
-        subgroups were updated during backward (``speculate``)."""
+        (``prefetch``), nor one whose CPU subgroups were updated during backward (``speculate``): the rates
+        are refined on updates priced alone. Those teach the window instead: how much ran ahead, and how
+        many staged elements the fills reached where they stopped short of the plan's."""
         self._observed += 1
         ran = list(placements) if placements is not None else (self.current.placements if self.current else [])
         if self._observed > 1 and self.ahead_cap and planned_in_backward:
             self._learn_ahead(stats.speculated_elements, ran)
+        if self._observed > 1 and self.prefetch and planned_in_backward:
+            staged = sum(n for n, p in zip(self.sizes, ran) if p is Placement.STAGED)
+            if stats.prefetched_elements < staged:  # the fills stopped short: what they reach
+                self._filled_seen.append(stats.prefetched_elements)
         if self._observed == 1 or self.device.type != "cuda" or overlapped or stats.prefetched or stats.speculated:
             return
         if self._calibrated is None:
@@ -230,14 +284,22 @@ class Planner:
                     tail, pending = placements(self.provisional, rest), True
                 else:
                     tail = choose(self.sizes[self._want:], self.rates, slots, sum(self.sizes[: self._want]),
-                                  self.ahead)[0]
+                                  self.window)[0]
             places = [Placement.RESIDENT] * self._want + tail
         rates = self.known_rates()
-        pred = predict(self.sizes, places, rates, max(slots, 1), self.ahead) if rates and not pending else None
+        window = self.window
+        pred = predict(self.sizes, places, rates, max(slots, 1), window) if rates and not pending else None
         self.current = Plan(schedule, places, slots, pred)
         self._pending = pending
-        self._planned_factors, self._planned_ahead = self.factors, self.ahead
+        self._planned_factors, self._planned_window = self.factors, window
         return self.current
+
+    def _window_moved(self) -> bool:
+        """Whether what the iteration gives the update moved enough since the plan to plan again."""
+        now, then, total = self.window, self._planned_window, sum(self.sizes)
+        return (abs(now.ahead - then.ahead) > REPLAN_AHEAD * total
+                or abs(min(now.filled, total) - min(then.filled, total)) > REPLAN_AHEAD * total
+                or abs(now.rest_s - then.rest_s) > REPLAN_REST * max(then.rest_s, now.rest_s))
 
     def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0) -> Plan:
         """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states
@@ -251,8 +313,7 @@ class Planner:
             return self.current
         self._held = resident_bytes
         now = self.factors
-        moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now) or \
-            abs(self.ahead - self._planned_ahead) > REPLAN_AHEAD * sum(self.sizes)
+        moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now) or self._window_moved()
         residents = self.current.placements.count(Placement.RESIDENT)
         fit = self.residents_that_fit() if schedule == "auto" else 0
         if self._pending or moved or fit != residents:

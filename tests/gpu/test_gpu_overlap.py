@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.planning.perfmodel import Window
+from deep_optimizer_states.planning.plan import Planner
 from deep_optimizer_states.planning.refine import Refiner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -76,11 +78,13 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, jo
     """prefetch=True on real streams: the staged subgroups' states come in during backward (the budget
     leaves room for all of them here), and the result is the run without prefetch, bit for bit. "offload"
     must place alike in both runs (the CPU kernel's bits are not CUDA's): both plan on the same calibration
-    from the first step (the first run measures it and stores it, the second loads it), and the refiner is
-    held still (a synchronous update without prefetch teaches it, one with prefetch does not). Unless
+    from the first step (the first run measures it and stores it, the second loads it), and the refiner and
+    the window are held still (a synchronous update without prefetch teaches the refiner, one with prefetch
+    does not; prefetch gives the window its fills, and with overlap both learn its rest). Unless
     ``joined``, backward starts while the last update may still flush: each fill waits on the GPU for its
     own subgroup's flush event."""
     monkeypatch.setattr(Refiner, "learn", lambda *args, **kwargs: None)
+    monkeypatch.setattr(Planner, "window", property(lambda self: Window()))
     runs, filled, placed = [], [], []
     for prefetch in (False, True):
         seed = 17
@@ -105,6 +109,30 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, jo
     assert sum(filled) > 0, "no subgroup was filled ahead"
     assert [p for f, p in placed if not f] == [p for f, p in placed if f], "the two runs placed differently"
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+def test_the_plan_learns_the_overlapped_iteration_on_real_streams():
+    """With overlap and prefetch on real streams the planner learns its window: the update's time until its
+    last param write had run (the GPU's clock, never before they were all enqueued), the rest of the
+    iteration beside it, and fills as many as the GPU memory holds; the plan is priced in that window."""
+    model = _stack(5)
+    opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="offload", stream_grads=True,
+                              overlap=True, prefetch=True)
+    opt.calibrate()
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(8):
+        opt.zero_grad()
+        model(torch.randn(64, 1024, generator=gen).to("cuda", torch.bfloat16)).float().pow(2).mean().backward()
+        opt.step()
+        torch.cuda.synchronize()  # a longer iteration than the update: some rest to learn
+        opt.synchronize()
+        u = opt.last_update
+        assert u.params_done_s >= u.params_written_s > 0
+    window = opt.planner.window
+    assert window.overlap and window.rest_s > 0 and window.filled > 0
+    pred = opt.plan.prediction
+    assert pred is not None and pred.iteration_s >= max(pred.cycle_s, pred.seconds) > 0
+    opt.close()
 
 
 @pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
