@@ -108,6 +108,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                             "staged": None if u is None else u.staged_subgroups,
                             "params_written_s": None if u is None or u.params_written_s is None
                             else round(u.params_written_s, 4),
+                            "params_done_s": None if u is None or u.params_done_s is None
+                            else round(u.params_done_s, 4),
                             "forward_wait_s": None if u is None or u.forward_wait_s is None
                             else round(u.forward_wait_s, 4), "prefetched": None if u is None else u.prefetched,
                             "speculated": None if u is None else u.speculated,

@@ -570,7 +570,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         began = time.perf_counter()
         self.synchronize()  # the previous update, if step() left it running
         if self._stepped_at is not None and self.last_update is not self._timed_update:  # the iteration priced
-            self.planner.observe_step(began - self._stepped_at, self.last_update.params_done_s)
+            self.planner.observe_step(began - self._stepped_at, self.last_update.params_done_s,
+                                      time.perf_counter() - began)
         self._stepped_at, self._timed_update = began, self.last_update
         loss = None
         if closure is not None:

@@ -298,6 +298,10 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     for period, written in ((0.40, 0.20), (0.35, 0.20), (0.36, 0.22), (0.37, 0.21), (0.9, 0.2)):  # 0.9: an eval
         planner.observe_step(period, written)
     assert planner.rest_s == pytest.approx(0.16)
+    link_bound = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
+    for _ in range(3):  # a step that waited for the last update's flushes: the wait is the link's, not the rest
+        link_bound.observe_step(0.5, 0.2, 0.14)
+    assert link_bound.rest_s == pytest.approx(0.16)
     again = planner.refresh()
     assert again is not first and again.placements == choose(sizes, H200_BF16, 2, window=planner.window)[0]
     assert again.prediction.staged > first.prediction.staged  # the link has the rest of the step too
@@ -326,13 +330,15 @@ def test_an_overlapped_optimizer_tells_its_planner_each_steps_length():
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=300, overlap=True)
     seen = []
     real = opt.planner.observe_step
-    opt.planner.observe_step = lambda period, written: (seen.append((period, written)), real(period, written))
+    opt.planner.observe_step = lambda period, written, joined: (seen.append((period, written, joined)),
+                                                                 real(period, written, joined))
     for _ in range(4):
         model(torch.randn(8, 32)).square().sum().backward()
         opt.step()
         opt.zero_grad()
     opt.synchronize()
-    assert len(seen) == 3 and all(period > 0 and written is not None and written >= 0 for period, written in seen)
+    assert len(seen) == 3
+    assert all(period > joined >= 0 and written is not None and written >= 0 for period, written, joined in seen)
     assert opt.planner.rest_s > 0
     opt.close()
 

@@ -22,8 +22,8 @@ With ``overlap`` and ``prefetch`` the plan prices the iteration, not the update 
 the staged subgroups' way in that came during backward (as many as the memory for slots filled ahead
 holds, until an update shows fills stopping short: then the median of what recent updates found filled),
 and the rest of the iteration around the update (the median over recent steps of the time between two
-``step()`` calls less the update's time until its last param write had run), beside which the link's
-traffic of a whole step bounds the iteration. It plans again when either moves (REPLAN_AHEAD of all
+``step()`` calls less the update's time until its last param write had run and less the next step's
+wait for the update's end), beside which the link's traffic of a whole step bounds the iteration. It plans again when either moves (REPLAN_AHEAD of all
 elements, REPLAN_REST of the rest).
 """
 
@@ -198,12 +198,14 @@ class Planner:
         residents = RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])
         return max(0, self.budget.resident_room() - residents - self._update_buffers())
 
-    def observe_step(self, period_s: float, params_done_s: float | None) -> None:
-        """Learn the rest of the iteration (``overlap``) from the seconds between two ``step()`` calls and the
+    def observe_step(self, period_s: float, params_done_s: float | None, joined_s: float = 0.0) -> None:
+        """Learn the rest of the iteration (``overlap``) from the seconds between two ``step()`` calls, the
         first one's update's time until its last param write had run (on the GPU's clock: a write that
-        waited for a fill counts in the update, or a link-bound plan would look like a long rest)."""
+        waited for a fill counts in the update) and how long the second waited for that update to end
+        (``joined_s``: its last flushes, the link's cycle, which the model prices apart). Without them a
+        link-bound plan would look like a long rest, and the plan would stay link-bound."""
         if self.overlap and params_done_s is not None and period_s > 0:
-            self._rest_seen.append(max(0.0, period_s - params_done_s))
+            self._rest_seen.append(max(0.0, period_s - params_done_s - joined_s))
 
     @property
     def factors(self) -> dict[str, float]:
