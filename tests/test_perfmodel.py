@@ -288,7 +288,8 @@ def _filling_planner(monkeypatch, sizes, rates, room_elements, ahead_cap=0):
 
 def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monkeypatch):
     """Under overlap the planner learns the iteration outside the update (time between two steps less the
-    update's time to its last param write, the median of recent steps) and plans again for it; with
+    update's time to its last param write and the wait for its end, the least of recent steps) and plans
+    again for it; with
     prefetch it prices as many fills as the memory for them holds until updates show fills stopping short,
     then their median. Without overlap nothing is learnt from step times."""
     sizes = ONE_36B
@@ -297,11 +298,14 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     assert planner.window == Window(filled=float(10**12), overlap=True)
     for period, written in ((0.40, 0.20), (0.35, 0.20), (0.36, 0.22), (0.37, 0.21), (0.9, 0.2)):  # 0.9: an eval
         planner.observe_step(period, written)
-    assert planner.rest_s == pytest.approx(0.16)
+    assert planner.rest_s == pytest.approx(0.14)
     link_bound = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
     for _ in range(3):  # a step that waited for the last update's flushes: the wait is the link's, not the rest
         link_bound.observe_step(0.5, 0.2, 0.14)
     assert link_bound.rest_s == pytest.approx(0.16)
+    for _ in range(5):  # a loop that synchronizes each step: the rest it showed before is soon forgotten
+        link_bound.observe_step(0.8, 0.2)
+    assert link_bound.rest_s == pytest.approx(0.6)
     again = planner.refresh()
     assert again is not first and again.placements == choose(sizes, H200_BF16, 2, window=planner.window)[0]
     assert again.prediction.staged > first.prediction.staged  # the link has the rest of the step too

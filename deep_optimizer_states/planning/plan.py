@@ -21,7 +21,7 @@ the 2-rank plans staged every subgroup, and speculation had nothing to do: fsdp2
 With ``overlap`` and ``prefetch`` the plan prices the iteration, not the update alone (``perfmodel.Window``):
 the staged subgroups' way in that came during backward (as many as the memory for slots filled ahead
 holds, until an update shows fills stopping short: then the median of what recent updates found filled),
-and the rest of the iteration around the update (the median over recent steps of the time between two
+and the rest of the iteration around the update (the least over recent steps of the time between two
 ``step()`` calls less the update's time until its last param write had run and less the next step's
 wait for the update's end), beside which the link's traffic of a whole step bounds the iteration. It plans again when either moves (REPLAN_AHEAD of all
 elements, REPLAN_REST of the rest).
@@ -182,8 +182,10 @@ class Planner:
 
     @property
     def rest_s(self) -> float:
-        """Seconds of a step outside its update (``overlap``): the median over recent steps; 0 before any."""
-        return float(statistics.median(self._rest_seen)) if self._rest_seen else 0.0
+        """Seconds of a step outside its update (``overlap``): the least of recent steps (what else happens
+        between two steps, an evaluation, a checkpoint, a loop that synchronizes, only adds to it); 0 before
+        any."""
+        return min(self._rest_seen, default=0.0)
 
     @property
     def window(self) -> Window:
