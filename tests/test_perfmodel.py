@@ -286,6 +286,13 @@ def _filling_planner(monkeypatch, sizes, rates, room_elements, ahead_cap=0):
     return planner
 
 
+def _observed_updates(planner, n):
+    """``n`` updates of the current plan (or all on the CPU) observed, overlapped, with nothing filled ahead."""
+    places = planner.current.placements if planner.current else [Placement.CPU] * len(planner.sizes)
+    for _ in range(n):
+        planner.observe(_telemetry(places, 0.1), overlapped=True, planned_in_backward=False)
+
+
 def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monkeypatch):
     """Under overlap the planner learns the iteration outside the update (time between two steps less the
     update's time to its last param write and the wait for its end, the least of recent steps) and plans
@@ -296,10 +303,14 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
     first = planner.plan("offload")
     assert planner.window == Window(filled=float(10**12), overlap=True)
+    planner.observe_step(7.0, 0.5)  # the first update's step (calibration, first calls): left out
+    assert planner.rest_s == 0.0
+    _observed_updates(planner, 2)
     for period, written in ((0.40, 0.20), (0.35, 0.20), (0.36, 0.22), (0.37, 0.21), (0.9, 0.2)):  # 0.9: an eval
         planner.observe_step(period, written)
     assert planner.rest_s == pytest.approx(0.14)
     link_bound = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
+    _observed_updates(link_bound, 2)
     for _ in range(3):  # a step that waited for the last update's flushes: the wait is the link's, not the rest
         link_bound.observe_step(0.5, 0.2, 0.14)
     assert link_bound.rest_s == pytest.approx(0.16)
@@ -311,7 +322,7 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     assert again.prediction.staged > first.prediction.staged  # the link has the rest of the step too
     assert planner.refresh() is again  # nothing moved
     staged = [n for n, p in zip(sizes, again.placements) if p is Placement.STAGED]
-    for filled in (len(staged), 10, 9, 9):  # the first update teaches nothing; then short of its plan
+    for filled in (len(staged), 10, 9, 9):  # all filled (a floor: not a measure); then short of its plan
         planner.observe(_telemetry(again.placements, 0.1, prefetched_elements=filled * sizes[0]), overlapped=True)
     assert planner.filled == 9 * sizes[0]
     short = planner.refresh()
@@ -323,6 +334,7 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     tight = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=3 * sizes[0])
     assert tight.plan("offload").prediction is not None and tight.filled == 3 * sizes[0]  # the memory bounds
     plain = Planner(sizes, torch.device("cuda"), 2, H200_BF16)
+    _observed_updates(plain, 2)
     plain.observe_step(0.4, 0.2)
     assert plain.rest_s == 0.0 and plain.window == Window()
 
