@@ -73,8 +73,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``subgroup_size``: elements per subgroup (the optimizer's default when None); ``launch_share``: the share
     of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;
     set for this process, which runs one system); ``staged_share``: that share of the subgroups staged, spread
-    evenly, as a fixed schedule (the performance model does not choose: what a split it does not price
-    gives, e.g. more staging when ``prefetch`` brings the staged states in during backward)."""
+    evenly, as a fixed schedule (the performance model does not choose: what another split gives)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
