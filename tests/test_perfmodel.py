@@ -339,6 +339,35 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     assert plain.rest_s == 0.0 and plain.window == Window()
 
 
+@pytest.mark.parametrize("start_rest", [0.6, 0.0])
+def test_a_plan_learnt_in_a_link_bound_loop_reaches_the_best_split(monkeypatch, start_rest):
+    """A machine that runs as the model prices it (rest 0.14 s): each step lasts the larger of the rest plus
+    the update and the link's cycle, and waits the difference for the last update's end. From a plan that
+    stages everything (learnt in a loop that synchronised, a 0.6 s rest) or from none learnt, the plan
+    reaches the best split for the true rest within a few steps. Had the wait counted as rest, a
+    link-bound plan would stay where it is: every fewer-staged split would look slower."""
+    truth = Window(filled=math.inf, overlap=True, rest_s=0.14)
+    best = choose(ONE_36B, H200_BF16, window=truth)[1].staged
+    runs = {}
+    for subtract in (True, False):
+        planner = _filling_planner(monkeypatch, ONE_36B, H200_BF16, room_elements=10**12)
+        planner.plan("offload")
+        _observed_updates(planner, 2)
+        for _ in range(5 if start_rest else 0):
+            planner.observe_step(start_rest + 0.1, 0.1)
+        staged = [planner.refresh().prediction.staged]
+        for _ in range(8):
+            real = predict(ONE_36B, planner.current.placements, H200_BF16, 2, truth)
+            period = max(truth.rest_s + real.seconds, real.cycle_s)
+            _observed_updates(planner, 1)
+            planner.observe_step(period, real.seconds, period - truth.rest_s - real.seconds if subtract else 0.0)
+            staged.append(planner.refresh().prediction.staged)
+        runs[subtract] = staged
+    assert runs[True][-3:] == [best] * 3 and 20 < best < 55
+    if start_rest:
+        assert runs[True][0] > best and runs[False] == [runs[True][0]] * 9  # stuck without the wait taken out
+
+
 def test_an_overlapped_optimizer_tells_its_planner_each_steps_length():
     """The optimizer times each step() against the last one and tells the planner with the update's time
     to its last param write."""
