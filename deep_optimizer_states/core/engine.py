@@ -450,7 +450,7 @@ class Engine:
         self._on_written(sg.index, written)
         return _Flush(sg, (p, m, v), written, slot)
 
-    def _flush(self, out: _Flush) -> Event:
+    def _flush(self, out: _Flush) -> None:
         """A staged subgroup's states back to the host, after its update; its slot is free again after that."""
         sg = out.subgroup
         self.stage_out.wait(out.written)
@@ -461,7 +461,6 @@ class Engine:
         if out.slot is not None:
             out.slot.free = flushed
         self._on_settled(sg.index, flushed)
-        return flushed
 
     @staticmethod
     def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float],

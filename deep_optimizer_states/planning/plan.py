@@ -197,8 +197,12 @@ class Planner:
         need, the residents this plan keeps and the update's own buffers; 0 before a need was measured."""
         if not self.budget.active or self.budget.need is None:
             return 0
-        residents = RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])
-        return max(0, self.budget.resident_room() - residents - self._update_buffers())
+        return max(0, self._room_beside(RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])))
+
+    def _room_beside(self, resident_bytes: int) -> int:
+        """The budget's room beside the measured need, ``resident_bytes`` of residents and the update's own
+        buffers (negative where they do not fit); the budget must have measured a need."""
+        return self.budget.resident_room() - resident_bytes - self._update_buffers()
 
     def observe_step(self, period_s: float, params_done_s: float | None, joined_s: float = 0.0) -> None:
         """Learn the rest of the iteration (``overlap``) from the seconds between two ``step()`` calls, the
@@ -374,7 +378,7 @@ class Planner:
         measured (the first step) and without a GPU (no budget to fill)."""
         if not self.budget.active or self.budget.need is None:
             return 0
-        room = self.budget.resident_room() - resident_bytes - self._update_buffers() - ahead_bytes
+        room = self._room_beside(resident_bytes) - ahead_bytes
         return max(0, min(room, self.budget.free() - self.budget.headroom()))
 
     def slots_that_fit(self) -> int:
