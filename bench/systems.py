@@ -94,9 +94,11 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
 
         history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update and
         # where its time went (CPU AdamW, the staged window, each lane's busy seconds)
+        norms = []  # per step: the global gradient norm, kept on the GPU (read at the end: no sync in the loop)
 
         def step():
             opt.step()
+            norms.append(opt.last_grad_norm)
             opt.zero_grad()
             u, pred = opt.last_update, opt.plan.prediction
             history.append({"planned_staged": opt.placements.count(Placement.STAGED),
@@ -129,7 +131,10 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                     "gpu_budget_GB": (mem["gpu_budget_bytes"] or 0) / 1e9,
                     "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9, "history": history,
                     "refine_factors": opt.planner.factors, "params_written_s": u.params_written_s,
-                    "forward_wait_s": u.forward_wait_s, "bf16_kernel": opt.engine.bf16_kernel is not None}
+                    "forward_wait_s": u.forward_wait_s, "bf16_kernel": opt.engine.bf16_kernel is not None,
+                    "grad_norms": [None if n is None else round(float(n), 4) for n in norms]}
+            if max_grad_norm is not None:  # the steps whose gradients the clip scaled (clip_coefficient below 1)
+                info["clipped_steps"] = sum(n is not None and float(n) + 1e-6 > max_grad_norm for n in norms)
             if opt.speculation is not None:
                 spec = opt.speculation
                 info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off}
@@ -321,6 +326,10 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # the same split as a user would ask for it: schedule=2 stages every other subgroup (28 of 55 at 1.36B)
     "ours_k2_overlap_spec_prefetch_bf16": ours(2, stream_grads=True, overlap=True, speculate=True, prefetch=True,
                                                bf16_cpu_path=True),
+    # clipped, with the CPU path's update run ahead: kept on the steps the norm stays under max_grad_norm
+    "ours_offload_overlap_clip_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True,
+                                                         max_grad_norm=CLIP, prefetch=True, speculate=True,
+                                                         bf16_cpu_path=True),
     "ours_k2_overlap_stream_clip_prefetch_bf16": ours(2, stream_grads=True, overlap=True, max_grad_norm=CLIP,
                                                       prefetch=True, bf16_cpu_path=True),
     "ours_offload_overlap_spec_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,

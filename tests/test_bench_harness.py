@@ -8,7 +8,7 @@ import torch
 
 from bench import dist_estimate, report, run_system, suite
 from bench.free_loop import PARTS
-from bench.systems import REFERENCE
+from bench.systems import CLIP, REFERENCE
 from tests.harness import needs_compiler
 
 
@@ -142,6 +142,18 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     assert abs(row["iter_mean_s"] - sum(row["iter_walls_s"]) / 2) < 1e-3
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
+
+
+def test_a_clipped_run_of_ours_records_each_steps_norm_and_the_steps_the_clip_scaled():
+    """Whether clipping at 1.0 applied is the difference between an update run ahead kept and one undone: the
+    row says, per step, without a sync in the timed loop (the norms are read at the end)."""
+    row = run_system.run("ours_offload_overlap_clip_spec_prefetch_bf16", "tiny", None, iters=2, warmup=1,
+                         micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+    norms = row["grad_norms"]
+    assert len(norms) == len(row["losses"]) == len(row["history"]) and all(n > 0 for n in norms)
+    assert row["clipped_steps"] == sum(n + 1e-6 > CLIP for n in norms)
+    assert row["clipped_steps"] and row["run_ahead"]["undone"]  # a fresh tiny model's norms exceed 1: undone
 
 
 def test_the_loss_reference_trains_like_ours_step_for_step():
