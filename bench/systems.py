@@ -11,7 +11,7 @@ imported only when their system is asked for.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -140,6 +140,10 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                 info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off}
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
+                # what the last plan was priced with: to compare with the update's telemetry after the run
+                info["prediction"] = opt.plan.prediction.as_dict()
+                info["window"] = asdict(opt.planner.window)
+                info["rates"] = opt.planner.rates.as_dict()
             if device.type == "cuda" and u.resident_subgroups < len(opt.layout.subgroups):
                 from deep_optimizer_states.planning.perfmodel import lower_bound
 
