@@ -339,17 +339,45 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     assert plain.rest_s == 0.0 and plain.window == Window()
 
 
+def test_fills_are_priced_as_far_as_the_link_carries_them_in_the_rest(monkeypatch):
+    """Memory for slots is not the only bound on what comes in during backward: the link carries 12 B per
+    element in the rest of the iteration at its contended rate, and fills beyond that queue ahead of the
+    update's own copies up (5.2B on an H200: every fitting slot priced as filled for free beside a 0.21 s
+    rest, 0.99 s predicted against 1.04 s measured, overlap.md call 46). So the plan prices no more as filled,
+    and its iteration above the one with free fills; the memory still bounds where it is the tighter."""
+    sizes = equal(208)
+    planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
+    planner.plan("offload")
+    assert planner.carried == math.inf and planner.filled == 10**12  # no rest known yet
+    _observed_updates(planner, 2)
+    for _ in range(3):
+        planner.observe_step(1.0, 0.79)
+    assert planner.rest_s == pytest.approx(0.21)
+    assert planner.filled == pytest.approx(0.21 * H200_BF16.link_contended / 12)
+    assert planner.filled < 100 * sizes[0]  # of the ~100 subgroups a 5.2B plan stages
+    bounded = planner.refresh()
+    assert bounded.prediction == predict(sizes, bounded.placements, H200_BF16, 2, planner.window)
+    free = choose(sizes, H200_BF16, 2, window=replace(planner.window, filled=math.inf))[1]
+    assert bounded.prediction.iteration_s > free.iteration_s
+    tight = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=3 * sizes[0])
+    _observed_updates(tight, 2)
+    tight.observe_step(1.0, 0.79)
+    assert tight.filled == 3 * sizes[0]
+    unknown = _filling_planner(monkeypatch, sizes, None, room_elements=10**12)  # no rates: nothing to bound by
+    _observed_updates(unknown, 2)
+    unknown.observe_step(1.0, 0.79)
+    assert unknown.rest_s == pytest.approx(0.21) and unknown.carried == math.inf
+
+
 @pytest.mark.parametrize("start_rest", [0.6, 0.0])
 def test_a_plan_learnt_in_a_link_bound_loop_reaches_the_best_split(monkeypatch, start_rest):
-    """A machine that runs as the model prices it (rest 0.14 s): each step lasts the larger of the rest plus
-    the update and the link's cycle, and waits the difference for the last update's end. From a plan that
-    stages everything (learnt in a loop that synchronised, a 0.6 s rest) or from none learnt, the plan
-    reaches the best split for the true rest within a few steps. Had the wait counted as rest, a
-    link-bound plan would stay where it is: every fewer-staged split would look slower."""
-    truth = Window(filled=math.inf, overlap=True, rest_s=0.14)
-    best = choose(ONE_36B, H200_BF16, window=truth)[1].staged
-    runs = {}
-    for subtract in (True, False):
+    """A machine that runs as the model prices it (rest 0.14 s, fills as far as the link carries them in it:
+    the planner's bound, ``Planner.carried``): each step lasts the larger of the rest plus the update and the
+    link's cycle, and waits the difference for the last update's end. From a plan that stages everything
+    (learnt in a loop that synchronised, a 0.6 s rest) or from none learnt, the plan reaches the best split
+    for the true rest within a few steps. Had the wait counted as rest, a link-bound plan on a machine whose
+    fills cost nothing would stay where it is: every fewer-staged split would look slower."""
+    def run(truth, subtract):
         planner = _filling_planner(monkeypatch, ONE_36B, H200_BF16, room_elements=10**12)
         planner.plan("offload")
         _observed_updates(planner, 2)
@@ -362,10 +390,15 @@ def test_a_plan_learnt_in_a_link_bound_loop_reaches_the_best_split(monkeypatch, 
             _observed_updates(planner, 1)
             planner.observe_step(period, real.seconds, period - truth.rest_s - real.seconds if subtract else 0.0)
             staged.append(planner.refresh().prediction.staged)
-        runs[subtract] = staged
-    assert runs[True][-3:] == [best] * 3 and 20 < best < 55
+        return staged
+
+    truth = Window(filled=0.14 * H200_BF16.link_contended / 12, overlap=True, rest_s=0.14)
+    best = choose(ONE_36B, H200_BF16, window=truth)[1].staged
+    reached = run(truth, subtract=True)
+    assert reached[-3:] == [best] * 3 and 20 < best < 55
     if start_rest:
-        assert runs[True][0] > best and runs[False] == [runs[True][0]] * 9  # stuck without the wait taken out
+        stuck = run(Window(filled=math.inf, overlap=True, rest_s=0.14), subtract=False)
+        assert reached[0] > best and stuck == [reached[0]] * 9  # stuck without the wait taken out
 
 
 def test_an_overlapped_optimizer_tells_its_planner_each_steps_length():

@@ -114,7 +114,8 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, jo
 def test_the_plan_learns_the_overlapped_iteration_on_real_streams():
     """With overlap and prefetch on real streams the planner learns its window: the update's time until its
     last param write had run (the GPU's clock, never before they were all enqueued), the rest of the
-    iteration beside it, and fills as many as the GPU memory holds; the plan is priced in that window."""
+    iteration beside it, and fills as many as the GPU memory holds and the link carries in that rest; the
+    plan is priced in that window."""
     model = _stack(5)
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule="offload", stream_grads=True,
                               overlap=True, prefetch=True)
