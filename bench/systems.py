@@ -132,9 +132,10 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                     "gpu_need_GB": (mem["gpu_need_bytes"] or 0) / 1e9, "history": history,
                     "refine_factors": opt.planner.factors, "params_written_s": u.params_written_s,
                     "forward_wait_s": u.forward_wait_s, "bf16_kernel": opt.engine.bf16_kernel is not None,
-                    "grad_norms": [None if n is None else round(float(n), 4) for n in norms]}
+                    "grad_norms": [None if n is None else float(n) for n in norms]}
             if max_grad_norm is not None:  # the steps whose gradients the clip scaled (clip_coefficient below 1)
-                info["clipped_steps"] = sum(n is not None and float(n) + 1e-6 > max_grad_norm for n in norms)
+                info["clipped_steps"] = sum(n is not None and n + 1e-6 > max_grad_norm for n in info["grad_norms"])
+            info["grad_norms"] = [None if n is None else round(n, 4) for n in info["grad_norms"]]
             if opt.speculation is not None:
                 spec = opt.speculation
                 info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off}

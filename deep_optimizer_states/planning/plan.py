@@ -24,8 +24,8 @@ holds and the link carries in the rest of the iteration, until an update shows f
 the median of what recent updates found filled),
 and the rest of the iteration around the update (the least over recent steps of the time between two
 ``step()`` calls less the update's time until its last param write had run and less the next step's
-wait for the update's end), beside which the link's traffic of a whole step bounds the iteration. It plans again when either moves (REPLAN_AHEAD of all
-elements, REPLAN_REST of the rest).
+wait for the update's end), beside which the link's traffic of a whole step bounds the iteration. It
+plans again when either moves (REPLAN_AHEAD of all elements, REPLAN_REST of the rest).
 """
 
 from __future__ import annotations
