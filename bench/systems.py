@@ -10,6 +10,7 @@ imported only when their system is asked for.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -17,6 +18,7 @@ from typing import Callable
 import torch
 
 import deep_optimizer_states.optimizer as optimizer_module
+import deep_optimizer_states.planning.plan as plan_module
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import Placement, spread
@@ -62,7 +64,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          speculate: bool | int = False, bf16_cpu_path: bool = False,
          subgroup_size: int | None = None,
          launch_share: float | None = None,
-         staged_share: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         staged_share: float | None = None,
+         fill_cap: float | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -73,10 +76,14 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``subgroup_size``: elements per subgroup (the optimizer's default when None); ``launch_share``: the share
     of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;
     set for this process, which runs one system); ``staged_share``: that share of the subgroups staged, spread
-    evenly, as a fixed schedule (the performance model does not choose: what another split gives)."""
+    evenly, as a fixed schedule (the performance model does not choose: what another split gives); ``fill_cap``:
+    ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
+    the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
+        if fill_cap is not None:
+            plan_module.FILL_CAP = fill_cap
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -159,6 +166,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + ("" if subgroup_size is None else f", subgroup_size={subgroup_size}") + "), "
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
+                       + (f"fills ahead capped at {fill_cap} x what the rest carries, " if fill_cap is not None else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -294,6 +302,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                prefetch=True),
     "ours_offload_overlap_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                     prefetch=True, bf16_cpu_path=True),
+    # fills ahead bounded by the memory alone (the library before 2026-12-02), against the default bound of what
+    # the link carries in the rest of the iteration (5.2B, H200 call 46: 95 subgroups filled, a 138 GB peak)
+    "ours_offload_overlap_spec_prefetch_bf16_uncapped": ours("offload", stream_grads=True, overlap=True,
+                                                             speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                             fill_cap=math.inf),
     # 32 spares instead of 16 (12 B per element each, pageable): whether the spares or the CPU limit what
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,

@@ -9,6 +9,9 @@ along here, as stream_grads gives the CPU path's gradients back during backward)
 
 from __future__ import annotations
 
+import math
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -197,6 +200,50 @@ def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
     probe.alloc = 45 * GB  # backward holds more now: what is free bounds it
     assert planner.room_ahead(0, 0) == 5 * GB - headroom
 
+
+
+def test_the_room_ahead_holds_no_more_than_the_link_carries_in_the_rest():
+    """Once the rest of the iteration is learnt (``overlap``), the room for fills is also bounded by the
+    slots of what the link carries in it (``Planner.carried``): more could not come in before the update
+    and would only hold memory. Unbounded before a rest is known; the memory bounds where it is tighter."""
+    sizes = [1000] * 10
+    probe = FakeProbe(total=100 * GB, limit=100 * GB, allocated=30 * GB, peak=40 * GB)
+    planner = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=MemoryBudget(50 * GB, probe),
+                      overlap=True, prefetch=True)
+    planner.budget.observe(0)
+    memory = planner.room_ahead(0, 0)
+    assert planner.fill_cap() == math.inf and memory > 5 * GB, "no rest learnt yet: the memory alone"
+    for _ in range(2):  # the first updates teach no rest (one-off costs)
+        planner.observe(SimpleNamespace(speculated_elements=0, prefetched_elements=0, prefetched=0, speculated=0))
+    planner.observe_step(0.3, 0.2)
+    assert planner.rest_s == pytest.approx(0.1)
+    carried = int(0.1 * H200_LIKE.link_contended / 12)  # elements: 12 B each way the link carries
+    assert abs(int(planner.carried) - carried) <= 1
+    cap = int(planner.carried) * SLOT_BYTES
+    assert planner.fill_cap() == cap and cap < memory
+    assert planner.room_ahead(0, 0) == cap
+    assert planner.room_ahead(0, cap // 4) == cap - cap // 4, "the slots already filled count against it"
+    probe.alloc = 48 * GB  # backward holds more now: what is free is the tighter bound
+    assert planner.room_ahead(0, 0) == 2 * GB - planner.budget.headroom()
+
+
+def test_an_optimizer_fills_ahead_only_what_the_link_carries_and_gives_the_same_result(monkeypatch):
+    """End to end: with the planner's bound at 3.5 subgroups' worth, each backward fills the first three
+    subgroups of the update's order and no more (the update stages the rest itself), bit for bit the
+    result of the same run without prefetch."""
+    runs = {}
+    for prefetch in (False, True):
+        model, opt = _build(prefetch, overlap=True, schedule="gpu")
+        if prefetch:
+            size = max(sg.numel for sg in opt.layout.subgroups)
+            monkeypatch.setattr(Planner, "carried", property(lambda self: 3.5 * size))
+            opt.planner.room_ahead = Planner.room_ahead.__get__(opt.planner)
+            probe = FakeProbe(total=100 * GB, limit=100 * GB, allocated=GB, peak=GB)
+            opt.planner.budget = MemoryBudget(50 * GB, probe)
+        filled = _train(model, opt, steps=4)
+        runs[prefetch] = _masters(model, opt)
+    assert filled[0] == 0 and filled[1:] == [3, 3, 3], filled
+    _assert_same(runs[False], runs[True])
 
 @pytest.mark.parametrize("schedule", ["offload", 2], ids=str)
 def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backward(schedule):
