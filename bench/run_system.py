@@ -7,7 +7,8 @@ Two measurements per run, after ``warmup`` iterations: ``iters`` iterations with
 around each phase (forward, backward, step: the breakdown; each phase's time includes its leading
 synchronize, so the phases add up to the wall time), then ``iters`` iterations run as a training loop runs
 them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``, their mean ``iter_mean_s``
-(a loop whose walls alternate runs at the mean). The second matters for an update left running past
+(a loop whose walls alternate runs at the mean). ``peak_gpu_GB`` is the allocator's peak over the whole run,
+``free_peak_gpu_GB`` over the free-running loop alone (what a plan learnt there holds). The second matters for an update left running past
 ``step()`` (overlap), whose GPU work a synchronize outside the timers would hide.
 """
 
@@ -104,6 +105,9 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
             losses.append(loss.item())
             phases.append((fwd, bwd, upd))
         _sync(device)
+        if device.type == "cuda":  # the free-running loop's own peak, apart from the synchronised phases'
+            phases_peak = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
         losses += more
@@ -117,7 +121,9 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
                    first_wall_s=round(first_wall, 4), walls_split_s=splits,
                    iter_phases_s=round(fwd + bwd + step_s, 4),
                    update_Gparams_per_s=round(trainer.params / update_s / 1e9, 3), losses=losses,
-                   peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+                   peak_gpu_GB=round(max(phases_peak, torch.cuda.max_memory_allocated(device)) / 1e9, 2)
+                   if device.type == "cuda" else None,
+                   free_peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
                    if device.type == "cuda" else None, **extra)
     except Exception as e:  # a system that cannot run is a result too
         row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],

@@ -297,12 +297,13 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     """Under overlap the planner learns the iteration outside the update (time between two steps less the
     update's time to its last param write and the wait for its end, the least of recent steps) and plans
     again for it; with
-    prefetch it prices as many fills as the memory for them holds until updates show fills stopping short,
-    then their median. Without overlap nothing is learnt from step times."""
+    prefetch it prices none before a rest is learnt, then as many fills as the memory for them holds (and the
+    link carries in the rest) until updates show fills stopping short, then their median. Without overlap
+    nothing is learnt from step times."""
     sizes = ONE_36B
     planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
     first = planner.plan("offload")
-    assert planner.window == Window(filled=float(10**12), overlap=True)
+    assert planner.window == Window(filled=0.0, overlap=True), "no rest learnt yet: nothing filled ahead"
     planner.observe_step(7.0, 0.5)  # the first update's step (calibration, first calls): left out
     assert planner.rest_s == 0.0
     _observed_updates(planner, 2)
@@ -332,6 +333,8 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
                     planned_in_backward=False)  # its backward filled for another plan: teaches nothing
     assert planner.filled == 9 * sizes[0]
     tight = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=3 * sizes[0])
+    _observed_updates(tight, 2)
+    tight.observe_step(0.4, 0.2)
     assert tight.plan("offload").prediction is not None and tight.filled == 3 * sizes[0]  # the memory bounds
     plain = Planner(sizes, torch.device("cuda"), 2, H200_BF16)
     _observed_updates(plain, 2)
@@ -348,7 +351,7 @@ def test_fills_are_priced_as_far_as_the_link_carries_them_in_the_rest(monkeypatc
     sizes = equal(208)
     planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
     planner.plan("offload")
-    assert planner.carried == math.inf and planner.filled == 10**12  # no rest known yet
+    assert planner.carried == 0 and planner.filled == 0  # no rest learnt yet: nothing carried
     _observed_updates(planner, 2)
     for _ in range(3):
         planner.observe_step(1.0, 0.79)

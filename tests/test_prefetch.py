@@ -205,14 +205,17 @@ def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
 def test_the_room_ahead_holds_no_more_than_the_link_carries_in_the_rest():
     """Once the rest of the iteration is learnt (``overlap``), the room for fills is also bounded by the
     slots of what the link carries in it (``Planner.carried``): more could not come in before the update
-    and would only hold memory. Unbounded before a rest is known; the memory bounds where it is tighter."""
+    and would only hold memory. None before a rest is learnt (the first steps), unbounded without overlap;
+    the memory bounds where it is tighter."""
     sizes = [1000] * 10
     probe = FakeProbe(total=100 * GB, limit=100 * GB, allocated=30 * GB, peak=40 * GB)
     planner = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=MemoryBudget(50 * GB, probe),
                       overlap=True, prefetch=True)
     planner.budget.observe(0)
-    memory = planner.room_ahead(0, 0)
-    assert planner.fill_cap() == math.inf and memory > 5 * GB, "no rest learnt yet: the memory alone"
+    assert planner.fill_cap() == 0 and planner.room_ahead(0, 0) == 0, "no rest learnt yet: no fills"
+    plain = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=planner.budget, prefetch=True)
+    memory = plain.room_ahead(0, 0)
+    assert plain.fill_cap() == math.inf and memory > 5 * GB, "without overlap no rest is learnt: the memory alone"
     for _ in range(2):  # the first updates teach no rest (one-off costs)
         planner.observe(SimpleNamespace(speculated_elements=0, prefetched_elements=0, prefetched=0, speculated=0))
     planner.observe_step(0.3, 0.2)

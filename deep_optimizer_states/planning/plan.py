@@ -189,12 +189,13 @@ class Planner:
     @property
     def carried(self) -> float:
         """Staged elements whose way in the link carries outside the update (``overlap``): the learnt rest at
-        the contended rate, 12 B per element; unbounded before a rest and rates are known. Fills beyond it
+        the contended rate, 12 B per element; none before a rest is learnt (the first steps), unbounded
+        without overlap (no rest is learnt) or rates (nothing to convert it by). Fills beyond it
         queue ahead of the update's own copies up: memory alone priced 95 of 208 subgroups at 5.2B (28.5 GB)
         as filled for free beside a 0.21 s rest that carries about 7.3 GB, 0.99 s predicted against 1.04 s
         measured (docs/benchmarks/overlap.md, call 46)."""
         rates = self.known_rates()
-        if not self.overlap or not self.rest_s or rates is None:
+        if not self.overlap or rates is None:
             return math.inf
         return self.rest_s * rates.link_contended / STAGED_BYTES
 
@@ -402,7 +403,7 @@ class Planner:
 
     def fill_cap(self) -> int | float:
         """GPU bytes worth filling ahead: the slots of what the link carries in the rest of the iteration
-        (``carried``, times FILL_CAP); unbounded before that is known. The link cannot bring more in before
+        (``carried``, times FILL_CAP): none in the first steps, before a rest is learnt. The link cannot bring more in before
         the update: fills beyond it still queue when the update starts, ahead of its own copies up on the
         one host-to-GPU copy engine, and hold their slots all the while. At 5.2B on an H200, 95 subgroups
         filled ahead took the peak from 32 to 138 GB where the rest carried about 24 (overlap.md, call 46)."""
