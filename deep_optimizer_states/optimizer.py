@@ -25,6 +25,7 @@ from .core.layout import Layout, Subgroup, local, subgroup_count
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
+from .core.slots import SLOT_BYTES_PER_ELEMENT
 from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
 from .core.schedule import Placement, Schedule
 from .core.speculate import LAUNCH_SHARE, Speculation
@@ -199,6 +200,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._hook = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
         self._ran_as_planned = True  # ... and they were the plan in force during its backward
+        self._fills_bounded = False  # ... and the room for its fills could not hold all its staged subgroups
         if self.module is not None:  # the model must not keep the optimizer alive: a weak reference
             self._hook = self.module.register_forward_pre_hook(_forward_hook(weakref.ref(self)), with_kwargs=True)
             weakref.finalize(self, self._hook.remove)
@@ -622,6 +624,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
         self._ran_as_planned = plan is streamed_for
+        staged_ahead = SLOT_BYTES_PER_ELEMENT * sum(sg.numel for sg in self._order_ahead or ())
+        self._fills_bounded = self._room_ahead < staged_ahead  # fills short of it: priced by the planner's room
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}
         jobs = []
@@ -652,7 +656,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """What follows an update that has ended; ``has_grad``: the params whose step counts it advances
         (None: counted when it started, ``_start_update``)."""
         self.planner.observe(self.last_update, self._ran, overlapped=self.overlapper is not None,
-                             planned_in_backward=self._ran_as_planned)
+                             planned_in_backward=self._ran_as_planned, fills_bounded=self._fills_bounded)
         if has_grad is not None:
             self.layout.advance_steps(has_grad)
         self._expose_state()

@@ -248,6 +248,26 @@ def test_an_optimizer_fills_ahead_only_what_the_link_carries_and_gives_the_same_
     assert filled[0] == 0 and filled[1:] == [3, 3, 3], filled
     _assert_same(runs[False], runs[True])
 
+
+def test_the_steps_before_a_rest_is_learnt_do_not_hold_the_priced_fills_at_none():
+    """Overlapped, the first steps fill nothing (no rest learnt, nothing carried); from then on every staged
+    subgroup is filled. The plan must price those fills: the empty steps were bounded by their room, not
+    fills stopping short, and an update that fills all its staged subgroups teaches no reach that would
+    replace them (on an H200 the window kept pricing none filled, tests/gpu/test_gpu_overlap.py)."""
+    model, opt = _build(True, overlap=True, schedule="offload")
+    opt.planner.room_ahead = Planner.room_ahead.__get__(opt.planner)
+    probe = FakeProbe(total=100 * GB, limit=100 * GB, allocated=GB, peak=GB)
+    planner = Planner([sg.numel for sg in opt.layout.subgroups], torch.device("cpu"), 4, rates=H200_LIKE,
+                      budget=MemoryBudget(50 * GB, probe), overlap=True, prefetch=True)
+    planner._gpu = True  # plan and measure as on a GPU (the fake probe stands for its memory)
+    opt.planner = planner
+    opt.schedule = 2  # a fixed split: the same staged subgroups every step
+    staged = opt.placements.count(Placement.STAGED)
+    filled = _train(model, opt, steps=8)
+    assert filled[:3] == [0, 0, 0] and filled[-3:] == [staged] * 3, filled
+    assert planner.rest_s > 0 and planner.carried > 0
+    assert planner.window.filled == pytest.approx(min(planner.fill_room() // SLOT_BYTES, planner.carried))
+
 @pytest.mark.parametrize("schedule", ["offload", 2], ids=str)
 def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backward(schedule):
     """The fills raise the allocator's peak during backward; the need the budget measures (which sizes the

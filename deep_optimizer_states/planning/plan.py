@@ -249,7 +249,7 @@ class Planner:
         return self.rates if self._calibrated is not None else None
 
     def observe(self, stats: UpdateStats, placements: Sequence[Placement] | None = None,
-                overlapped: bool = False, planned_in_backward: bool = True) -> None:
+                overlapped: bool = False, planned_in_backward: bool = True, fills_bounded: bool = False) -> None:
         """Learn from a finished update that ran ``placements`` (default: the current plan's), the plan in
         force during its backward if ``planned_in_backward`` (else what ran ahead then says nothing of this
         plan's head start: a plan made at the step runs at once when no gradient went down during backward,
@@ -261,12 +261,15 @@ class Planner:
         (docs/benchmarks/overlap.md). Nor does one whose staged subgroups came in during backward
         (``prefetch``), nor one whose CPU subgroups were updated during backward (``speculate``): the rates
         are refined on updates priced alone. Those teach the window instead: how much ran ahead, and how
-        many staged elements the fills reached where they stopped short of the plan's."""
+        many staged elements the fills reached where they stopped short of the plan's, unless the room they
+        were given could not hold the plan's staged subgroups (``fills_bounded``: ``filled`` prices that room
+        already; learnt as a reach, the steps before a rest was learnt, which fill nothing, would hold the
+        price at none once the fills reach every staged subgroup and stop teaching)."""
         self._observed += 1
         ran = list(placements) if placements is not None else (self.current.placements if self.current else [])
         if self._observed > 1 and self.ahead_cap and planned_in_backward:
             self._learn_ahead(stats.speculated_elements, ran)
-        if self._observed > 1 and self.prefetch and planned_in_backward:
+        if self._observed > 1 and self.prefetch and planned_in_backward and not fills_bounded:
             staged = sum(n for n, p in zip(self.sizes, ran) if p is Placement.STAGED)
             if stats.prefetched_elements < staged:  # the fills stopped short: what they reach
                 self._filled_seen.append(stats.prefetched_elements)
@@ -407,8 +410,9 @@ class Planner:
         the update: fills beyond it still queue when the update starts, ahead of its own copies up on the
         one host-to-GPU copy engine, and hold their slots all the while. At 5.2B on an H200, 95 subgroups
         filled ahead took the peak from 32 to 138 GB where the rest carried about 24 (overlap.md, call 46)."""
-        cap = FILL_CAP * self.carried
-        return math.inf if math.isinf(cap) else int(cap) * SLOT_BYTES_PER_ELEMENT
+        if math.isinf(FILL_CAP) or math.isinf(self.carried):
+            return math.inf
+        return int(FILL_CAP * self.carried) * SLOT_BYTES_PER_ELEMENT
 
     def slots_that_fit(self) -> int:
         """How many staging slots (up to ``max_slots``) fit in the GPU memory free at the update, within the
