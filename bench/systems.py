@@ -307,6 +307,9 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_uncapped": ours("offload", stream_grads=True, overlap=True,
                                                              speculate=True, prefetch=True, bf16_cpu_path=True,
                                                              fill_cap=math.inf),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_uncapped": ours("offload", stream_grads=True, overlap=True,
+                                                                  max_grad_norm=CLIP, prefetch=True, speculate=True,
+                                                                  bf16_cpu_path=True, fill_cap=math.inf),
     # 32 spares instead of 16 (12 B per element each, pageable): whether the spares or the CPU limit what
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,
