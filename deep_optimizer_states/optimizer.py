@@ -419,7 +419,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     # ---- states staged ahead ------------------------------------------------------------------------
     def _fill_ahead(self) -> None:
         """From a final gradient's hook in backward (``prefetch=True``): copy the plan's staged subgroups'
-        states into slots of their own while the budget allows, in the order the update will take them,
+        states into slots of their own while the budget allows and the link carries them before the update
+        (``Planner.room_ahead``), in the order the update will take them,
         each after the last update (``overlap``) has written its host states."""
         if self._order_ahead is None:  # once a step: the plan does not change during backward
             pairs = list(zip(self.layout.subgroups, self.plan.placements))
