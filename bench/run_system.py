@@ -7,9 +7,10 @@ Two measurements per run, after ``warmup`` iterations: ``iters`` iterations with
 around each phase (forward, backward, step: the breakdown; each phase's time includes its leading
 synchronize, so the phases add up to the wall time), then ``iters`` iterations run as a training loop runs
 them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``, their mean ``iter_mean_s``
-(a loop whose walls alternate runs at the mean). ``peak_gpu_GB`` is the allocator's peak over the whole run,
-``free_peak_gpu_GB`` over the free-running loop alone (what a plan learnt there holds). The second matters for an update left running past
-``step()`` (overlap), whose GPU work a synchronize outside the timers would hide.
+(a loop whose walls alternate runs at the mean). The second matters for an update left running past
+``step()`` (overlap), whose GPU work a synchronize outside the timers would hide. ``peak_gpu_GB`` is the
+allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone (what a plan
+learnt there holds).
 """
 
 from __future__ import annotations

@@ -201,7 +201,6 @@ def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
     assert planner.room_ahead(0, 0) == 5 * GB - headroom
 
 
-
 def test_the_room_ahead_holds_no_more_than_the_link_carries_in_the_rest():
     """Once the rest of the iteration is learnt (``overlap``), the room for fills is also bounded by the
     slots of what the link carries in it (``Planner.carried``): more could not come in before the update
