@@ -310,6 +310,14 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_uncapped": ours("offload", stream_grads=True, overlap=True,
                                                                   max_grad_norm=CLIP, prefetch=True, speculate=True,
                                                                   bf16_cpu_path=True, fill_cap=math.inf),
+    # twice what the link carries in the least rest (calls 51-52: the capped updates wrote their last param
+    # 0.19-0.22 s after they began against 0.15-0.16 s uncapped, so the least rest looked conservative at 1.36B)
+    "ours_offload_overlap_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
+                                                         speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                         fill_cap=2.0),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
+                                                              max_grad_norm=CLIP, prefetch=True, speculate=True,
+                                                              bf16_cpu_path=True, fill_cap=2.0),
     # 32 spares instead of 16 (12 B per element each, pageable): whether the spares or the CPU limit what
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,
