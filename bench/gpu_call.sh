@@ -4,7 +4,7 @@
 # to $OUT after each step. A step that would start after DEADLINE seconds is left for the next call.
 #
 #   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
-#                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest[:PATH]
+#                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest[:PATH[,PATH...]]
 #                                        | kernel[:THREADS] (bench/cpu_kernel.py --dma: the CPU AdamW kernels
 #                                          beside pinned PCIe copies; THREADS default: cores - 1)
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
@@ -39,7 +39,7 @@ for step in "$@"; do
              --iters ${ITERS:-5} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) 2>&1 \
              | tee -a $R/suite.log ;;
-    gputest) tests=${step#gputest}; tests=${tests#:}  # a pytest node id keeps its "::"
+    gputest) tests=${step#gputest}; tests=${tests#:}; tests=${tests//,/ }  # a node id keeps its "::"; commas part paths
              timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
              cat $R/gpu-tests.log ;;
     kernel) timeout $left python3 -m bench.cpu_kernel --threads "${model:-$(($(nproc) - 1))}" --dma 2>&1 \
