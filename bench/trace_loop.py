@@ -7,7 +7,8 @@
 After ``warmup`` free-running iterations (no synchronize but the loss read, as bench/free_loop.py runs them),
 ``iters`` more run under torch.profiler (CPU threads and GPU streams). Written to DIR: ``SYSTEM.trace.json.gz``
 (Chrome trace, for Perfetto) and ``SYSTEM.summary.json``: each traced iteration's wall, the host seconds of
-each call, and per GPU stream (named after our lanes) its busy milliseconds and its copies each way (GB)
+each call, each direction of the link's busy milliseconds (copies of any stream), and per GPU stream (named
+after our lanes) its busy milliseconds and its copies each way (GB)
 inside the iteration; and per stream and direction, how long its copies waited between being enqueued and
 starting (a direction of the link runs one copy at a time: a copy that waits long waited behind others).
 """
@@ -46,12 +47,13 @@ def lane_names(events: list[dict], names: list[str]) -> dict[str, str]:
 
 
 def iterations(events: list[dict], lanes: dict[str, str]) -> list[dict]:
-    """Per traced iteration: its wall, each GPU stream's busy ms, first and last activity and copy GB each
-    way, and the host ms of the loop's calls."""
+    """Per traced iteration: its wall, each direction of the link's busy ms (any stream), each GPU stream's
+    busy ms, first and last activity and copy GB each way, and the host ms of the loop's calls."""
     starts = sorted(e["ts"] for e in events if e.get("cat") == "user_annotation" and e.get("name") == MARK)
     gpu, out = _gpu(events), []
     for a, b in zip(starts, starts[1:]):
         busy, copies = defaultdict(list), defaultdict(lambda: defaultdict(float))
+        link = defaultdict(list)  # direction -> intervals, whatever the stream
         for e in gpu:
             start, end = max(e["ts"], a), min(e["ts"] + e["dur"], b)
             if end <= start:
@@ -61,11 +63,13 @@ def iterations(events: list[dict], lanes: dict[str, str]) -> list[dict]:
             way = _direction(e.get("name", ""))
             if way is not None:
                 copies[stream][way] += e["args"].get("bytes", 0) * (end - start) / max(e["dur"], 1e-9) / 1e9
+                link[way].append((start, end))
         host = defaultdict(float)
         for e in events:
             if e.get("cat") == "user_annotation" and e.get("name", "").startswith("dos.loop") and a <= e["ts"] < b:
                 host[e["name"][9:]] += e.get("dur", 0) / 1e3
         out.append({"wall_ms": round((b - a) / 1e3, 1), "host_ms": {k: round(v, 1) for k, v in host.items()},
+                    "link_busy_ms": {w: round(_covered(v) / 1e3, 1) for w, v in sorted(link.items())},
                     "streams": {k: {"busy_ms": round(_covered(v) / 1e3, 1),
                                     "first_ms": round((min(s for s, _ in v) - a) / 1e3, 1),
                                     "last_ms": round((max(e for _, e in v) - a) / 1e3, 1),

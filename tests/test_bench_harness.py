@@ -358,6 +358,8 @@ def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
     first, second = out["iterations"]
     assert first["wall_ms"] == 1.0 and first["streams"]["lane.stage_out"]["busy_ms"] == 0.8
     assert first["streams"]["lane.stage_out"]["d2h"] == 2.0 and "lane.stage_out" not in second["streams"]
+    assert first["link_busy_ms"] == {"d2h": 0.8}  # 101-902 us: the two flushes and the loss read, one engine
+    assert second["link_busy_ms"] == {"d2h": 0.0}  # two 1 us copies, under the 0.1 ms rounding
     waits = out["copy_waits"]
     assert waits["lane.stage_out d2h"]["max_ms"] == 0.4 and waits["default d2h"]["max_ms"] == 0.79
     assert waits["default d2h"]["median_ms"] == 0.0 and waits["default d2h"]["copies"] == 3
