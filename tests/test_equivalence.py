@@ -294,3 +294,45 @@ def test_memory_report_counts_host_states_and_update_buffers():
     opt.step()
     biggest = max(sg.numel for sg in opt.layout.subgroups)
     assert opt.memory()["device_update_bytes"] == 16 * biggest * min(DEFAULT_STAGING_SLOTS, len(opt.layout.subgroups))
+
+
+def test_fills_held_on_the_host_wait_for_their_slot_and_the_queue():
+    """``engine.FILLS_QUEUED``: a fill is enqueued only once its slot is free and fewer than the bound of the
+    fills before it are unfinished (the oldest awaited first)."""
+    from collections import deque
+
+    from deep_optimizer_states.core import engine
+
+    waited = []
+
+    class Event:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            waited.append(self.name)
+
+    class Slot:
+        free = Event("slot")
+
+    queued = deque([Event("fill1"), Event("fill2"), Event("fill3")])
+    engine._hold_fill(Slot(), queued, 2)
+    assert waited == ["fill1", "fill2", "slot"] and [e.name for e in queued] == ["fill3"]
+    waited.clear()
+    engine._hold_fill(Slot(), queued, 2)
+    assert waited == ["slot"] and len(queued) == 1
+
+
+@pytest.mark.parametrize("most", [1, 2])
+def test_fills_queued_changes_no_result(most, monkeypatch):
+    """The staged fills held on the host (``engine.FILLS_QUEUED``) give torch's AdamW, on a schedule with
+    more staged subgroups than staging slots (CPU lanes: every wait returns at once; tests/gpu runs the
+    streams)."""
+    from deep_optimizer_states.core import engine
+
+    monkeypatch.setattr(engine, "FILLS_QUEUED", most)
+    model = mlp(torch.float32)
+    size = sum(p.numel() for p in model.parameters()) // 10
+    opt = DeepOptimizerStates(model, lr=3e-3, weight_decay=0.1, subgroup_size=size, schedule="gpu")
+    train_and_compare(model, opt, steps=8)
+    assert opt.last_update.staged_subgroups > DEFAULT_STAGING_SLOTS

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -54,6 +55,13 @@ GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead 
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
 # slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
+# None: every staged fill of an update is enqueued at its start, each waiting on the GPU for its slot's flush.
+# k: at most k fills are on the host-to-GPU queue at a time, each enqueued once its slot is free (the update's
+# thread sleeps meanwhile). Under a torch.profiler trace on an H200 (docs/benchmarks/overlap.md, call 60) the
+# CPU path's params, the next forward's inputs, did not go up while the update's fills had copies ready:
+# enqueued 60-100 ms into the update, they ran after its last fill, at 163 ms. Not yet measured on the GPU:
+# off until it is.
+FILLS_QUEUED: int | None = None
 
 
 @dataclass
@@ -112,6 +120,20 @@ class _Flush:
     states: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     written: Event
     slot: Slot | None
+    loaded: Event = None  # its states came in (in its slot, or in one filled ahead)
+
+
+def _hold_fill(slot: Slot, queued: deque, most: int) -> None:
+    """Block the host until ``slot`` is free and fewer than ``most`` of the fills ``queued`` (their events, in
+    order; those seen complete are dropped) are still on the link: the next fill then finds its queue empty
+    but for those, so copies other lanes enqueue meanwhile (the CPU path's params) wait behind at most
+    ``most`` fills (``FILLS_QUEUED``)."""
+    while len(queued) >= most:
+        event = queued.popleft()
+        if event is not None:
+            event.synchronize()
+    if slot.free is not None:
+        slot.free.synchronize()
 
 
 def bf16_update(kernel: cpu_adamw.Bf16GradAdam, job: Job, multipliers: Sequence[float],
@@ -304,11 +326,16 @@ class Engine:
             staged = [j for j in jobs if j.placement is Placement.STAGED]
             updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index])
                        for j in staged if j.subgroup.index in ahead}  # params first: the next forward waits for them
-            turn = 0
+            turn, queued = 0, deque()
             for job in staged:  # flushed in order (the next backward fills in this order)
                 out = updated.get(job.subgroup.index)
                 if out is None:
-                    out = self._update_staged(job, slots[turn % len(slots)], multipliers, grads)
+                    slot = slots[turn % len(slots)]
+                    if FILLS_QUEUED is not None:
+                        _hold_fill(slot, queued, FILLS_QUEUED)
+                    out = self._update_staged(job, slot, multipliers, grads)
+                    if FILLS_QUEUED is not None:
+                        queued.append(out.loaded)
                     turn += 1
                 self._flush(out)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
@@ -438,17 +465,18 @@ class Engine:
             with self.stage_in.run(f"sg{sg.index}"):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
-            self.gpu.wait(self.stage_in.record())
+            loaded = self.stage_in.record(blocking=FILLS_QUEUED is not None)  # the host may wait for it
         else:
             p, g, m, v = filled.p, filled.g, filled.m, filled.v
-            self.gpu.wait(filled.loaded)
+            loaded = filled.loaded
+        self.gpu.wait(loaded)
         with self.gpu.run(f"sg{sg.index}"):
             _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
         written = self.gpu.record(timing=True)  # timed: when the params were written (overlap)
         self._on_written(sg.index, written)
-        return _Flush(sg, (p, m, v), written, slot)
+        return _Flush(sg, (p, m, v), written, slot, loaded)
 
     def _flush(self, out: _Flush) -> None:
         """A staged subgroup's states back to the host, after its update; its slot is free again after that."""
@@ -457,7 +485,7 @@ class Engine:
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), out.states):
                 dst.copy_(src, non_blocking=True)
-        flushed = self.stage_out.record()
+        flushed = self.stage_out.record(blocking=FILLS_QUEUED is not None)  # the host may wait for it: it sleeps
         if out.slot is not None:
             out.slot.free = flushed
         self._on_settled(sg.index, flushed)

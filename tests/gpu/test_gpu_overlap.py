@@ -71,6 +71,33 @@ def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
     _same_run(model, ours, twin, ref, seed, "the forward read params the update had not written yet")
 
 
+@pytest.mark.parametrize("schedule", [2, "gpu"], ids=str)
+@pytest.mark.parametrize("most", [1, 2])
+def test_fills_held_on_the_host_change_no_bit(schedule, most, monkeypatch):
+    """``engine.FILLS_QUEUED`` on real streams, overlapped and streamed, more staged subgroups than slots:
+    the same losses, masters, params and states as the synchronous update without it, bit for bit."""
+    from deep_optimizer_states.core import engine
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    model = _stack(seed)
+    twin = copy.deepcopy(model)
+    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=1.0, stream_grads=True, schedule=schedule)
+    ref = DeepOptimizerStates(twin, **kwargs)
+    want = _losses(twin, ref, seed, 6)
+    monkeypatch.setattr(engine, "FILLS_QUEUED", most)
+    ours = DeepOptimizerStates(model, overlap=True, **kwargs)
+    got = _losses(model, ours, seed, 6)
+    ours.synchronize()
+    assert ours.last_update.staged_subgroups > engine.DEFAULT_STAGING_SLOTS
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {step}"
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours.master(p), ref.master(q))
+        assert torch.equal(p, q)
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
 @pytest.mark.parametrize("schedule", [3, "gpu", "offload"], ids=str)
 @pytest.mark.parametrize("overlap,joined", [(False, True), (True, True), (True, False)],
                          ids=["sync", "overlap", "overlap-flushing"])
