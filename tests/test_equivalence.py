@@ -321,6 +321,8 @@ def test_fills_held_on_the_host_wait_for_their_slot_and_the_queue():
     waited.clear()
     engine._hold_fill(Slot(), queued, 2)
     assert waited == ["slot"] and len(queued) == 1
+    with pytest.raises(ValueError, match="at least 1"):
+        engine._hold_fill(Slot(), queued, 0)
 
 
 @pytest.mark.parametrize("most", [1, 2])

@@ -128,6 +128,8 @@ def _hold_fill(slot: Slot, queued: deque, most: int) -> None:
     order; those seen complete are dropped) are still on the link: the next fill then finds its queue empty
     but for those, so copies other lanes enqueue meanwhile (the CPU path's params) wait behind at most
     ``most`` fills (``FILLS_QUEUED``)."""
+    if most < 1:
+        raise ValueError(f"engine.FILLS_QUEUED must be None or at least 1 (fills on the link at a time), got {most}")
     while len(queued) >= most:
         event = queued.popleft()
         if event is not None:
