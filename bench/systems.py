@@ -67,7 +67,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
-         fills_queued: int | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         params_mapped: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -81,15 +81,15 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     evenly, as a fixed schedule (the performance model does not choose: what another split gives); ``fill_cap``:
     ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
-    ``fills_queued``: ``engine.FILLS_QUEUED`` for this process (the update's staged fills held on the host, at
-    most that many on the link at a time)."""
+    ``params_mapped``: ``engine.PARAMS_UP_MAPPED`` for this process (False: the CPU path's params go up by the
+    copy engine, behind the staged fills enqueued before them, the library before 2026-12-02's call 62)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
         if fill_cap is not None:
             plan_module.FILL_CAP = fill_cap
-        if fills_queued is not None:
-            engine_module.FILLS_QUEUED = fills_queued
+        if params_mapped is not None:
+            engine_module.PARAMS_UP_MAPPED = params_mapped
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -173,7 +173,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
                        + (f"fills ahead capped at {fill_cap} x what the rest carries, " if fill_cap is not None else "")
-                       + (f"at most {fills_queued} staged fill(s) on the link at a time, " if fills_queued else "")
+                       + ("CPU path's params up by the copy engine, " if params_mapped is False else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -325,17 +325,17 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True, speculate=True,
                                                               bf16_cpu_path=True, fill_cap=2.0),
-    # the update's staged fills held on the host, one on the link at a time: under a trace (H200 call 60) the
-    # CPU path's params waited behind every fill that had copies ready, up to 100 ms, while the forward waited
-    "ours_offload_overlap_spec_prefetch_bf16_held1": ours("offload", stream_grads=True, overlap=True,
-                                                          speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                          fills_queued=1),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_held1": ours("offload", stream_grads=True, overlap=True,
-                                                               max_grad_norm=CLIP, prefetch=True, speculate=True,
-                                                               bf16_cpu_path=True, fills_queued=1),
-    "ours_offload_overlap_stream_clip_prefetch_bf16_held1": ours("offload", stream_grads=True, overlap=True,
-                                                                 max_grad_norm=CLIP, prefetch=True,
-                                                                 bf16_cpu_path=True, fills_queued=1),
+    # the CPU path's params up by the copy engine, behind the staged fills enqueued before them (the library
+    # before H200 call 62; since then a kernel reads them over the link): the A/B for engine.PARAMS_UP_MAPPED
+    "ours_offload_overlap_spec_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
+                                                       speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                       params_mapped=False),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
+                                                            max_grad_norm=CLIP, prefetch=True, speculate=True,
+                                                            bf16_cpu_path=True, params_mapped=False),
+    "ours_offload_overlap_stream_clip_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
+                                                              max_grad_norm=CLIP, prefetch=True,
+                                                              bf16_cpu_path=True, params_mapped=False),
     # 32 spares instead of 16 (12 B per element each, pageable): whether the spares or the CPU limit what
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -41,6 +40,7 @@ from . import cpu_adamw
 from .adam import AdamHyper, adam_update
 from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
+from .mapped import copy_by_kernel, mapped_view
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
 from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, Slot
@@ -55,13 +55,12 @@ GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead 
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
 # slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
-# None: every staged fill of an update is enqueued at its start, each waiting on the GPU for its slot's flush.
-# k: at most k fills are on the host-to-GPU queue at a time, each enqueued once its slot is free (the update's
-# thread sleeps meanwhile). Under a torch.profiler trace on an H200 (docs/benchmarks/overlap.md, call 60) the
-# CPU path's params, the next forward's inputs, did not go up while the update's fills had copies ready:
-# enqueued 60-100 ms into the update, they ran after its last fill, at 163 ms. Not yet measured on the GPU:
-# off until it is.
-FILLS_QUEUED: int | None = None
+# The CPU path's params go up through a kernel that reads their pinned host memory over its device mapping
+# (``mapped.py``), not through a copy engine: each direction of the link runs one copy-engine copy at a time in
+# the order enqueued, so they would wait behind the update's staged fills enqueued before them, while the
+# next forward waits for them. 50 MB behind 8 GB of fills: 167 ms by the copy engine, 1.6 ms by a kernel, the
+# fills' time unchanged (bench/mapped_copy.py, H200 call 62). False: the copy engine, through a GPU scratch.
+PARAMS_UP_MAPPED = True
 
 
 @dataclass
@@ -120,22 +119,6 @@ class _Flush:
     states: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     written: Event
     slot: Slot | None
-    loaded: Event = None  # its states came in (in its slot, or in one filled ahead)
-
-
-def _hold_fill(slot: Slot, queued: deque, most: int) -> None:
-    """Block the host until ``slot`` is free and fewer than ``most`` of the fills ``queued`` (their events, in
-    order; those seen complete are dropped) are still on the link: the next fill then finds its queue empty
-    but for those, so copies other lanes enqueue meanwhile (the CPU path's params) wait behind at most
-    ``most`` fills (``FILLS_QUEUED``)."""
-    if most < 1:
-        raise ValueError(f"engine.FILLS_QUEUED must be None or at least 1 (fills on the link at a time), got {most}")
-    while len(queued) >= most:
-        event = queued.popleft()
-        if event is not None:
-            event.synchronize()
-    if slot.free is not None:
-        slot.free.synchronize()
 
 
 def bf16_update(kernel: cpu_adamw.Bf16GradAdam, job: Job, multipliers: Sequence[float],
@@ -246,6 +229,7 @@ class Engine:
                                            initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
         self._warned_fallback = False
+        self._mapped: dict[int, tuple[tuple[int, torch.dtype], torch.Tensor | None]] = {}  # see _mapped_source
         self._on_written: Callable[[int, object], None] = _ignore
         self._on_settled: Callable[[int, object], None] = _ignore
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
@@ -328,16 +312,11 @@ class Engine:
             staged = [j for j in jobs if j.placement is Placement.STAGED]
             updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index])
                        for j in staged if j.subgroup.index in ahead}  # params first: the next forward waits for them
-            turn, queued = 0, deque()
+            turn = 0
             for job in staged:  # flushed in order (the next backward fills in this order)
                 out = updated.get(job.subgroup.index)
                 if out is None:
-                    slot = slots[turn % len(slots)]
-                    if FILLS_QUEUED is not None:
-                        _hold_fill(slot, queued, FILLS_QUEUED)
-                    out = self._update_staged(job, slot, multipliers, grads)
-                    if FILLS_QUEUED is not None:
-                        queued.append(out.loaded)
+                    out = self._update_staged(job, slots[turn % len(slots)], multipliers, grads)
                     turn += 1
                 self._flush(out)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
@@ -403,7 +382,8 @@ class Engine:
         to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
         cuda = self.device.type == "cuda"
         down = torch.empty(max(to_send), dtype=FP32, device=self.device) if cuda and to_send else None
-        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu else None
+        mapped = cuda and PARAMS_UP_MAPPED  # the params go up without the scratch
+        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu and not mapped else None
         resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
         return jobs, slots, down, up, grads
@@ -436,9 +416,26 @@ class Engine:
             self._cpu_adam_seconds += t1 - t0
             self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
         self._on_settled(sg.index, Done())
+        host = sg.bf16_halves()[1] if sg.index in feed.bf16 else sg.master
+        mapped = self._mapped_source(sg, host)
         with self.params_up.run(f"sg{sg.index}"):
-            _params_from(sg.bf16_halves()[1] if sg.index in feed.bf16 else sg.master, sg, scratch)
+            if mapped is not None:
+                sg.scatter_params(mapped, copy=copy_by_kernel)
+            else:
+                _params_from(host, sg, scratch)
         self._on_written(sg.index, self.params_up.record(timing=True))
+
+    def _mapped_source(self, sg: Subgroup, host: torch.Tensor) -> torch.Tensor | None:
+        """``host`` (the CPU path's params of ``sg``, on the host) as seen from the GPU (``PARAMS_UP_MAPPED``),
+        made once per subgroup and source; None without a GPU, with the copy engine chosen, or where the
+        memory is not pinned (then it goes up through the scratch)."""
+        if self.device.type != "cuda" or not PARAMS_UP_MAPPED:
+            return None
+        key = (host.data_ptr(), host.dtype)
+        known = self._mapped.get(sg.index)
+        if known is None or known[0] != key:
+            known = self._mapped[sg.index] = (key, mapped_view(host, self.device) if host.is_pinned() else None)
+        return known[1]
 
     def _update_resident(self, job: Job, residents: Residents, fresh: bool, scratch: torch.Tensor,
                          multipliers, grads: dict | None) -> None:
@@ -467,18 +464,17 @@ class Engine:
             with self.stage_in.run(f"sg{sg.index}"):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
-            loaded = self.stage_in.record(blocking=FILLS_QUEUED is not None)  # the host may wait for it
+            self.gpu.wait(self.stage_in.record())
         else:
             p, g, m, v = filled.p, filled.g, filled.m, filled.v
-            loaded = filled.loaded
-        self.gpu.wait(loaded)
+            self.gpu.wait(filled.loaded)
         with self.gpu.run(f"sg{sg.index}"):
             _grads_fp32(g, sg, None, multipliers, grads)
             job.adam(p, g, m, v)
             _params_from(p, sg, None)
         written = self.gpu.record(timing=True)  # timed: when the params were written (overlap)
         self._on_written(sg.index, written)
-        return _Flush(sg, (p, m, v), written, slot, loaded)
+        return _Flush(sg, (p, m, v), written, slot)
 
     def _flush(self, out: _Flush) -> None:
         """A staged subgroup's states back to the host, after its update; its slot is free again after that."""
@@ -487,7 +483,7 @@ class Engine:
         with self.stage_out.run(f"sg{sg.index}"):
             for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), out.states):
                 dst.copy_(src, non_blocking=True)
-        flushed = self.stage_out.record(blocking=FILLS_QUEUED is not None)  # the host may wait for it: it sleeps
+        flushed = self.stage_out.record()
         if out.slot is not None:
             out.slot.free = flushed
         self._on_settled(sg.index, flushed)
