@@ -67,7 +67,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
-         params_mapped: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         params_mapped: bool | None = None,
+         flush_ahead_last: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -82,7 +83,9 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
     ``params_mapped``: ``engine.PARAMS_UP_MAPPED`` for this process (False: the CPU path's params go up by the
-    copy engine, behind the staged fills enqueued before them, the library before 2026-12-02's call 62)."""
+    copy engine, behind the staged fills enqueued before them, the library before 2026-12-02's call 62);
+    ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process (False: every flush in the update's
+    order, those of the slots filled ahead first, the library before 2026-12-02's call 64)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
@@ -90,6 +93,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             plan_module.FILL_CAP = fill_cap
         if params_mapped is not None:
             engine_module.PARAMS_UP_MAPPED = params_mapped
+        if flush_ahead_last is not None:
+            engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -174,6 +179,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
                        + (f"fills ahead capped at {fill_cap} x what the rest carries, " if fill_cap is not None else "")
                        + ("CPU path's params up by the copy engine, " if params_mapped is False else "")
+                       + ("flushes in the update's order, " if flush_ahead_last is False else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -336,6 +342,14 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_stream_clip_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True,
                                                               bf16_cpu_path=True, params_mapped=False),
+    # and every flush in the update's order, those filled ahead first (the library before H200 call 64)
+    "ours_offload_overlap_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
+                                                               speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                               params_mapped=False, flush_ahead_last=False),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
+                                                                    max_grad_norm=CLIP, prefetch=True,
+                                                                    speculate=True, bf16_cpu_path=True,
+                                                                    params_mapped=False, flush_ahead_last=False),
     # 32 spares instead of 16 (12 B per element each, pageable): whether the spares or the CPU limit what
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,

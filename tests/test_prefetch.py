@@ -487,9 +487,15 @@ def test_the_next_backward_fills_and_runs_ahead_while_the_last_update_still_flus
     _assert_same(*runs)
 
 
-def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order():
+@pytest.mark.parametrize("ahead_last", [True, False], ids=["ahead-last", "in-order"])
+def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(ahead_last, monkeypatch):
     """The subgroups filled ahead are updated (their params written, which the next forward waits for)
-    before any flush; the flushes then go in the update's order (the next backward fills in that order)."""
+    before any flush; the flushes then go in the update's order (the next backward fills in that order),
+    those of the subgroups filled ahead after the others (``engine.FLUSH_AHEAD_LAST``: the slots' next
+    fills wait for the others), and the result is the same either way."""
+    from deep_optimizer_states.core import engine
+
+    monkeypatch.setattr(engine, "FLUSH_AHEAD_LAST", ahead_last)
     model, opt = _build(True, "llama")
     room = 3 * SLOT_BYTES * max(sg.numel for sg in opt.layout.subgroups)
     opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
@@ -507,4 +513,11 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order():
     first_flush = next(k for k, entry in enumerate(last) if entry[0] == "flush")
     assert all(k < first_flush for k, entry in enumerate(last) if entry[0] == "update" and entry[2]), \
         "every subgroup filled ahead updated before the first flush"
-    assert [i for kind, i, *_ in last if kind == "flush"] == order, "flushed in the update's order"
+    flushed = [i for kind, i, *_ in last if kind == "flush"]
+    if ahead_last:
+        assert flushed == [i for i in order if i not in ahead] + [i for i in order if i in ahead]
+    else:
+        assert flushed == order, "flushed in the update's order"
+    twin, ref = _build(False, "llama")
+    _train(twin, ref, steps=2)
+    _assert_same(_masters(model, opt), _masters(twin, ref))

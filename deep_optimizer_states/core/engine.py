@@ -61,6 +61,12 @@ DEFAULT_STAGING_SLOTS = 4
 # next forward waits for them. 50 MB behind 8 GB of fills: 167 ms by the copy engine, 1.6 ms by a kernel, the
 # fills' time unchanged (bench/mapped_copy.py, H200 call 62). False: the copy engine, through a GPU scratch.
 PARAMS_UP_MAPPED = True
+# The flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups cycling
+# through the slots: each direction of the link runs its copies in the order enqueued, and a slot's next
+# fill waits for its flush, so behind the flushes filled ahead (5.7 GB at 1.36B, H200 call 63's trace) the
+# slots' fills, and the next forward waiting for their params, stalled ~120 ms. False: every flush in the
+# update's order.
+FLUSH_AHEAD_LAST = True
 
 
 @dataclass
@@ -312,12 +318,17 @@ class Engine:
             staged = [j for j in jobs if j.placement is Placement.STAGED]
             updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index])
                        for j in staged if j.subgroup.index in ahead}  # params first: the next forward waits for them
-            turn = 0
-            for job in staged:  # flushed in order (the next backward fills in this order)
+            turn, later = 0, []
+            for job in staged:  # flushed in order (the next backward fills in this order), but see FLUSH_AHEAD_LAST
                 out = updated.get(job.subgroup.index)
                 if out is None:
                     out = self._update_staged(job, slots[turn % len(slots)], multipliers, grads)
                     turn += 1
+                elif FLUSH_AHEAD_LAST:
+                    later.append(out)
+                    continue
+                self._flush(out)
+            for out in later:
                 self._flush(out)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
             wait(pending)
