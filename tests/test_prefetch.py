@@ -436,29 +436,37 @@ def test_a_subgroup_without_gradients_last_step_is_not_filled_ahead():
     _assert_same(*runs)
 
 
-def test_the_next_backward_fills_and_runs_ahead_while_the_last_update_still_flushes():
+@pytest.mark.parametrize("ahead_last", [False, True], ids=["in-order", "ahead-last"])
+def test_the_next_backward_fills_and_runs_ahead_while_the_last_update_still_flushes(ahead_last, monkeypatch):
     """``overlap``: the update left running may still flush its last staged subgroup when the next backward
     begins. A fill ahead waits only for its own subgroup's flush and an update run ahead (``speculate``) for
-    its own subgroup's host states, not for the whole update: with that last flush held until backward has
-    ended, backward runs through (the launching thread used to wait for the whole update), every other
-    staged subgroup is filled, CPU subgroups run ahead, and the result is the same bit for bit."""
+    its own subgroup's host states, not for the whole update: with the update's last flush held until
+    backward has ended, backward runs through (the launching thread used to wait for the whole update),
+    staged subgroups are filled, CPU subgroups run ahead, and the result is the same bit for bit. With the
+    flushes in the update's order, every staged subgroup but the held one (the last in that order) is
+    filled; with those filled ahead flushed last (``engine.FLUSH_AHEAD_LAST``), the fills, which go in the
+    update's order, stop at the held one, which is one of those."""
     import threading
 
+    from deep_optimizer_states.core import engine
+
+    monkeypatch.setattr(engine, "FLUSH_AHEAD_LAST", ahead_last)
     steps, runs = 5, []
     for hold in (False, True):
         model, opt = _build(True, "llama", overlap=True, speculate=True)
         gates = [threading.Event() for _ in range(steps)]
-        held = {"calls": 0, "timeouts": 0}
+        held = {"calls": 0, "timeouts": 0, "flushed": 0}
         if hold:
             settled = opt.overlapper.settled
+            staged_ids = {i for i, p in enumerate(opt.placements) if p is Placement.STAGED}
 
             def holding(index, event):
-                order = [sg.index for sg in opt._order_ahead or ()] or sorted(
-                    (i for i, p in enumerate(opt.placements) if p is Placement.STAGED),
-                    key=lambda i: opt._need_order.get(i, len(opt._need_order)))
-                if index == order[-1]:  # the update's last staged subgroup, flushed last
-                    gate, held["calls"] = gates[held["calls"]], held["calls"] + 1
-                    held["timeouts"] += not gate.wait(timeout=10)
+                if index in staged_ids:
+                    held["flushed"] += 1
+                    if held["flushed"] == len(staged_ids):  # the update's last flush
+                        held["flushed"] = 0
+                        gate, held["calls"] = gates[held["calls"]], held["calls"] + 1
+                        held["timeouts"] += not gate.wait(timeout=10)
                 settled(index, event)
 
             opt.overlapper.settled = holding
@@ -478,9 +486,13 @@ def test_the_next_backward_fills_and_runs_ahead_while_the_last_update_still_flus
         runs.append(_masters(model, opt))
         if hold:
             staged = opt.placements.count(Placement.STAGED)
-            assert held == {"calls": steps, "timeouts": 0}, "backward waited for the whole update"
-            assert [b - a for a, b in zip([0] + filled, filled)][1:] == [staged - 1] * (steps - 2), \
-                "every staged subgroup but the held one filled ahead"
+            assert {k: held[k] for k in ("calls", "timeouts")} == {"calls": steps, "timeouts": 0}, \
+                "backward waited for the whole update"
+            per_step = [b - a for a, b in zip([0] + filled, filled)][1:]
+            if ahead_last:
+                assert all(per_step), "staged subgroups filled ahead while the update still flushed"
+            else:
+                assert per_step == [staged - 1] * (steps - 2), "every staged subgroup but the held one filled ahead"
             assert all(ahead), "CPU subgroups ran ahead while the update still flushed"
             assert opt.speculation.kept >= steps - 1 and not opt.speculation.undone, \
                 "kept: run with this step's counts, though the update before had not ended"
