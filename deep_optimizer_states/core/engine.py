@@ -4,7 +4,8 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
 
   CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
-               [params_up]  fp32 master -> GPU scratch -> cast into the model's param
+               [params_up]  fp32 master -> cast into the model's param, by a kernel reading the host memory
+                            over its device mapping (``PARAMS_UP_MAPPED``; else through a GPU scratch)
                (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half, also when streamed; AdamW reading it,
                applying the multipliers and rounding the params into the other half, ``bf16_update``;
                those go up)
@@ -16,9 +17,10 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
                [resident]   grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
 
 The main thread enqueues the residents, then the updates of the staged subgroups filled ahead (their params
-are what the next forward waits for), then the staged pipeline and every flush in order (slots bound how far
-it runs ahead); the residents have a stream of their own, so a staged subgroup's kernels never queue behind
-them (the link would idle meanwhile). The CPU worker takes CPU subgroups in order and keeps the gradients of
+are what the next forward waits for), then the staged pipeline with its flushes in order (slots bound how far
+it runs ahead), then the flushes of those filled ahead (``FLUSH_AHEAD_LAST``); the residents have a stream
+of their own, so a staged subgroup's kernels never queue behind them (the link would idle meanwhile). The
+CPU worker takes CPU subgroups in order and keeps the gradients of
 the next GRAD_LOOKAHEAD ones on their way down, so grads trickle at the CPU's pace instead of crowding the
 link and host memory at the start (with ``stream_grads`` they went down during backward: ``landed``).
 While the CPU updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs
