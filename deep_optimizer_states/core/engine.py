@@ -236,7 +236,7 @@ class Engine:
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam", initializer=torch.cuda.set_device,
                                            initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
-        self._warned_fallback = False
+        self._warned_fallback = self._warned_mapping = False
         self._mapped: dict[int, tuple[tuple[int, torch.dtype], torch.Tensor | None]] = {}  # see _mapped_source
         self._on_written: Callable[[int, object], None] = _ignore
         self._on_settled: Callable[[int, object], None] = _ignore
@@ -447,7 +447,16 @@ class Engine:
         key = (host.data_ptr(), host.dtype)
         known = self._mapped.get(sg.index)
         if known is None or known[0] != key:
-            known = self._mapped[sg.index] = (key, mapped_view(host, self.device) if host.is_pinned() else None)
+            view = None
+            if host.is_pinned():
+                try:
+                    view = mapped_view(host, self.device)
+                except (OSError, RuntimeError, TypeError, ValueError) as e:  # no libcuda (ROCm), no mapping
+                    if not self._warned_mapping:
+                        warnings.warn(f"the CPU path's params go up by the copy engine: no device mapping of "
+                                      f"their host memory ({e})", RuntimeWarning)
+                        self._warned_mapping = True
+            known = self._mapped[sg.index] = (key, view)
         return known[1]
 
     def _update_resident(self, job: Job, residents: Residents, fresh: bool, scratch: torch.Tensor,
