@@ -20,9 +20,9 @@ The main thread enqueues the residents, then the updates of the staged subgroups
 are what the next forward waits for), then the staged pipeline with its flushes in order (slots bound how far
 it runs ahead), then the flushes of those filled ahead (``FLUSH_AHEAD_LAST``); the residents have a stream
 of their own, so a staged subgroup's kernels never queue behind them (the link would idle meanwhile). The
-CPU worker takes CPU subgroups in order and keeps the gradients of
-the next GRAD_LOOKAHEAD ones on their way down, so grads trickle at the CPU's pace instead of crowding the
-link and host memory at the start (with ``stream_grads`` they went down during backward: ``landed``).
+CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones on their way
+down, so grads trickle at the CPU's pace instead of crowding the link and host memory at the start (with
+``stream_grads`` they went down during backward: ``landed``).
 While the CPU updates subgroup i, the link moves staged subgroups in and out. Without a GPU every lane runs
 in program order and the worker runs inline: the same code, synchronous.
 """
