@@ -533,3 +533,24 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(ah
     twin, ref = _build(False, "llama")
     _train(twin, ref, steps=2)
     _assert_same(_masters(model, opt), _masters(twin, ref))
+
+
+def test_once_the_room_runs_out_the_gradients_hooks_stop_asking_until_the_step():
+    """Every final gradient's hook may fill slots; once the next slot found no room, nothing more fits
+    until the step (the room is read once a step and only shrinks), so later hooks do not try again (each
+    try costs backward's launching thread), and the next step fills as many again."""
+    model, opt = _build(True, "llama")
+    biggest = max(sg.numel for sg in opt.layout.subgroups)
+    room = 2 * SLOT_BYTES * biggest
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
+    calls = []
+    top_up = opt.prefetch.top_up
+    opt.prefetch.top_up = lambda *a, **k: calls.append(1) or top_up(*a, **k)
+    hooks = []
+    after_grad = opt.grad_stream.after_grad
+    opt.grad_stream.after_grad = lambda: hooks.append(1) or after_grad()
+    tries = []
+    filled = _train(model, opt, steps=3, between=lambda step: tries.append((len(calls), len(hooks))))
+    per_step = [(c - c0, h - h0) for (c, h), (c0, h0) in zip(tries, [(0, 0)] + tries[:-1])]
+    assert all(f == 2 for f in filled[1:]), "two slots' room, two filled each step"
+    assert all(c <= 2 < h for c, h in per_step), "tries stop at the one that found no room"

@@ -38,14 +38,16 @@ class Prefetch:
         self.step_bytes = 0  # bytes allocated for fills this step, dropped ones included
         self._bytes = 0
         self._next = 0  # this step: how far down the update's order the fills have come
+        self._full = False  # this step: the next fill found no room (the room only shrinks until the step)
 
     def bytes(self) -> int:
         """GPU bytes the slots filled ahead hold now."""
         return self._bytes
 
     def pending(self, order: Sequence[Subgroup]) -> bool:
-        """Whether subgroups of ``order`` (this step's) are still to fill."""
-        return self._next < len(order)
+        """Whether subgroups of ``order`` (this step's) are still to fill and may still fit: a final gradient's
+        hook asks at every gradient, and once the room ran out nothing more fits until the step."""
+        return self._next < len(order) and not self._full
 
     @torch.no_grad()
     def top_up(self, order: Sequence[Subgroup], room: int, before_fill: Callable[[int], None] | None = None,
@@ -63,6 +65,7 @@ class Prefetch:
             sg = order[self._next]
             need = SLOT_BYTES_PER_ELEMENT * sg.numel
             if need > room:
+                self._full = True
                 break
             after = host_final(sg)
             if after is None:
@@ -72,6 +75,7 @@ class Prefetch:
             try:
                 p, g, m, v = slot_tensors(sg.numel, self.device)
             except torch.cuda.OutOfMemoryError:
+                self._full = True
                 break
             self.lane.wait(current_point(self.device))
             if isinstance(after, torch.cuda.Event):
@@ -90,12 +94,13 @@ class Prefetch:
 
     def take(self) -> dict[int, Ahead]:
         """Hand the filled slots to an update (which holds them until its streams are done)."""
-        ready, self.ready, self._next, self._bytes = self.ready, {}, 0, 0
+        ready, self.ready, self._next, self._bytes, self._full = self.ready, {}, 0, 0, False
         return ready
 
     def restart(self) -> None:
         """A new step: fills start again from the top of its order (none may be left: see ``drop``)."""
         self._next = self.step_bytes = 0
+        self._full = False
 
     def drop(self, only: set[int] | None = None) -> bool:
         """Forget the slots filled ahead (of the subgroups ``only``, else all): their host copy may change, or
