@@ -26,6 +26,7 @@ from .grad_scaling import norms_fp32
 from .layout import Layout, Subgroup, local
 
 
+_NOTHING = contextlib.nullcontext()
 _OWNER: dict[int, weakref.ref] = {}  # id(param) -> the GradStream that streams it (the newest one built)
 
 
@@ -87,11 +88,12 @@ class GradStream:
         """A span named ``name`` in torch.profiler's trace while ``annotate`` (else nothing, at no cost)."""
         return torch.profiler.record_function(name) if self.annotate else contextlib.nullcontext()
 
-    @torch.no_grad()
     def _on_grad(self, p: torch.Tensor) -> None:
         if not self.final or p.grad is None or _OWNER.get(id(p)) is not self._ref:
             return
-        with self.annotated("dos.grad_hook"):
+        # backward runs its hooks with grad mode off: no_grad's decorator would cost each hook more than the
+        # bookkeeping (it is for a hook called outside backward)
+        with self.annotated("dos.grad_hook"), torch.no_grad() if torch.is_grad_enabled() else _NOTHING:
             self._final_grad(p)
 
     def _final_grad(self, p: torch.Tensor) -> None:
