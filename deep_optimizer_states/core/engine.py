@@ -4,8 +4,8 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
 
   CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
-               [params_up]  fp32 master -> cast into the model's param, by a kernel reading the host memory
-                            over its device mapping (``PARAMS_UP_MAPPED``; else through a GPU scratch)
+               [params_up]  fp32 master -> GPU scratch -> cast into the model's param (``PARAMS_UP_MAPPED``:
+                            by a kernel reading the host memory over its device mapping)
                (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half, also when streamed; AdamW reading it,
                applying the multipliers and rounding the params into the other half, ``bf16_update``;
                those go up)
@@ -18,7 +18,7 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
 
 The main thread enqueues the residents, then the updates of the staged subgroups filled ahead (their params
 are what the next forward waits for), then the staged pipeline with its flushes in order (slots bound how far
-it runs ahead), then the flushes of those filled ahead (``FLUSH_AHEAD_LAST``); the residents have a stream
+it runs ahead; ``FLUSH_AHEAD_LAST``: those filled ahead flush last); the residents have a stream
 of their own, so a staged subgroup's kernels never queue behind them (the link would idle meanwhile). The
 CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones on their way
 down, so grads trickle at the CPU's pace instead of crowding the link and host memory at the start (with
@@ -57,18 +57,16 @@ GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead 
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
 # slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
-# The CPU path's params go up through a kernel that reads their pinned host memory over its device mapping
-# (``mapped.py``), not through a copy engine: each direction of the link runs one copy-engine copy at a time in
-# the order enqueued, so they would wait behind the update's staged fills enqueued before them, while the
-# next forward waits for them. 50 MB behind 8 GB of fills: 167 ms by the copy engine, 1.6 ms by a kernel, the
-# fills' time unchanged (bench/mapped_copy.py, H200 call 62). False: the copy engine, through a GPU scratch.
-PARAMS_UP_MAPPED = True
-# The flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups cycling
-# through the slots: each direction of the link runs its copies in the order enqueued, and a slot's next
-# fill waits for its flush, so behind the flushes filled ahead (5.7 GB at 1.36B, H200 call 63's trace) the
-# slots' fills, and the next forward waiting for their params, stalled ~120 ms. False: every flush in the
-# update's order.
-FLUSH_AHEAD_LAST = True
+# True: the CPU path's params go up through a kernel that reads their pinned host memory over its device
+# mapping (``mapped.py``), not through a copy engine, which runs one copy at a time per direction in the order
+# enqueued: 50 MB behind 8 GB of fills took 167 ms by the copy engine, 1.6 ms by a kernel (bench/mapped_copy.py,
+# H200 call 62). Off: in the 1.36B iteration it was slower in 6 of 9 pairs (0.357 against 0.313 s with the
+# peers in call 66, 0.460 against 0.341 s on fresh data in call 67), its forward 0.05 s longer.
+PARAMS_UP_MAPPED = False
+# True: the flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups
+# cycling through the slots, whose next fills wait for them. Off: no gain beyond the spread (H200 call 64,
+# 0.320 against 0.314 s unclipped), and the flushes in the update's order leave the least in flight.
+FLUSH_AHEAD_LAST = False
 
 
 @dataclass

@@ -78,7 +78,7 @@ def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
 @pytest.mark.parametrize("schedule", ["cpu", 2], ids=str)
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32-path", "bf16-path"])
 def test_params_up_through_the_mapping_change_no_bit(schedule, bf16, monkeypatch):
-    """The CPU path's params read by a kernel over the link (``engine.PARAMS_UP_MAPPED``, the default), with
+    """The CPU path's params read by a kernel over the link (``engine.PARAMS_UP_MAPPED``), with
     overlap and streamed gradients, beside staged fills: the same losses, masters, params and states as the
     synchronous update taking them up by the copy engine, bit for bit."""
     from deep_optimizer_states.core import engine
