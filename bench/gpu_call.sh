@@ -10,6 +10,7 @@
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 #   ITERS=N: suite steps time N iterations each way (default 5)
+#   ROUNDS=N: suite steps run their systems N times, alternating (python -m bench.rounds pairs them)
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -36,7 +37,7 @@ for step in "$@"; do
     bench) python3 -m deep_optimizer_states bench --model "$model" ${arg:+--schedules "$arg"} \
              --out "$R/update-$model.jsonl" 2>&1 | tee -a $R/bench.log ;;
     suite|again) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
-             --iters ${ITERS:-5} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
+             --iters ${ITERS:-5} --rounds ${ROUNDS:-1} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) 2>&1 \
              | tee -a $R/suite.log ;;
     gputest) tests=${step#gputest}; tests=${tests#:}; tests=${tests//,/ }  # a node id keeps its "::"; commas part paths

@@ -6,6 +6,10 @@ Cells already in --out with a result (ran, or did not fit) are skipped unless --
 be run in pieces (the GPU machine takes 10-minute commands); cells that errored or timed out run again, and
 the report keeps each cell's latest row. After the runs, the report is rebuilt (``bench.report``): the
 markdown table, the ratios and the figures, and the loss check of ours.
+
+``--rounds N`` runs the whole list N times, alternating (A B A B ...), each row marked with its ``round`` and
+the call's ``series``: runs of the same settings on one H200 moved 8-20% within a lease (overlap.md calls
+66-70), so a lever is judged by paired rounds (``python -m bench.rounds``), not by one run of each.
 """
 
 from __future__ import annotations
@@ -118,17 +122,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-seed", type=int, default=1000, help="seed of the training batch (another one "
                         "repeats the runs on fresh data; write those to another --out)")
     parser.add_argument("--again", action="store_true", help="run even if a row exists")
+    parser.add_argument("--rounds", type=int, default=1, help="run the list this many times, alternating "
+                        "(rows marked with their round; summarised by python -m bench.rounds)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="start no run that its last recorded run says would end after this many "
                         "seconds (it is left for the next call)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: give at least 1")
     start = time.perf_counter()
+    series = time.strftime("%Y-%m-%dT%H:%M:%S")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     finished = set() if args.again else done(out)
-    jobs = [(m, b, s) for m in args.models.split(",") for b in parse_budgets(args.budgets)
-            for s in parse_systems(args.systems) if (m, b, s) not in finished]
-    for model, budget, system in jobs:
+    cells = [(m, b, s) for m in args.models.split(",") for b in parse_budgets(args.budgets)
+             for s in parse_systems(args.systems) if (m, b, s) not in finished]
+    jobs = [(r, *cell) for r in range(1, args.rounds + 1) for cell in cells]
+    for turn, model, budget, system in jobs:
         if args.deadline is not None:
             left = args.deadline - (time.perf_counter() - start)
             need = expected_wall(out, model, budget, system) or 0.0
@@ -137,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"(about {need:.0f} s by its last run, {max(left, 0):.0f} s left)", flush=True)
                 continue
         row = run_one(system, model, budget, args)
+        if args.rounds > 1:
+            row.update(round=turn, rounds=args.rounds, series=series)
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{model:6} {str(budget or 'whole'):>5} {system:24} {row['status']:8} "

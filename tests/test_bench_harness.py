@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import dist_estimate, report, run_system, suite
+from bench import dist_estimate, report, rounds, run_system, suite
 from bench.free_loop import PARTS
 from bench.systems import CLIP, REFERENCE
 from tests.harness import needs_compiler
@@ -246,6 +246,45 @@ def test_suite_starts_no_run_its_last_recorded_wall_says_the_deadline_would_kill
     suite.main(["--models", "tiny", "--systems", "gpu_adamw,ours_offload_overlap,torchao_offload", "--again",
                 "--out", str(out), "--deadline", "100"])
     assert started == ["ours_offload_overlap", "torchao_offload"]
+
+
+def test_suite_rounds_alternate_the_systems_and_mark_each_row(tmp_path, monkeypatch):
+    """--rounds 3 runs A B A B A B (not A A A B B B: drift between rounds would fall on one side), each row
+    with its round and the call's series; --rounds 0 is refused."""
+    out = tmp_path / "results.jsonl"
+    started = []
+
+    def fake_run(system, model, budget, args):
+        started.append(system)
+        return {"system": system, "model": model, "budget_gb": budget, "status": "ok", "iter_s": 1.0}
+
+    monkeypatch.setattr(suite, "run_one", fake_run)
+    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    suite.main(["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--rounds", "3", "--out", str(out)])
+    assert started == ["ours_auto", "gpu_adamw"] * 3
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 1, 2, 2, 3, 3] and len({r["series"] for r in rows}) == 1
+    with pytest.raises(SystemExit):
+        suite.main(["--models", "tiny", "--systems", "ours_auto", "--rounds", "0", "--out", str(out)])
+
+
+def test_rounds_pair_each_system_with_the_first_in_the_same_round():
+    """A round where everything ran slow moves both sides: the per-round ratio keeps the lever (B 10%
+    faster in every round) where the medians of the two sides alone overlap."""
+    a = [0.30, 0.40, 0.33]
+    rows = [{"system": name, "model": "1.36b", "budget_gb": None, "status": "ok", "iter_s": t, "round": k + 1,
+             "series": "s1"} for k, base in enumerate(a) for name, t in (("A", base), ("B", base * 0.9))]
+    rows.append({**rows[0], "series": "s0", "iter_s": 9.0})  # an older series, left out
+    name, chosen = rounds.series_rows(rows)
+    assert name == "s1" and len(chosen) == 6
+    text = rounds.summarise(chosen)
+    line_b = next(line for line in text.splitlines() if line.startswith("| B |"))
+    assert "x0.900" in line_b and "3 of 3" in line_b and "0.297" in line_b  # median of B: 0.9 x 0.33
+    assert rounds.summarise(rounds.series_rows(rows, "s0")[1]).count("| A |") == 1
+    with pytest.raises(ValueError, match="--rounds"):
+        rounds.series_rows([{k: v for k, v in r.items() if k != "series"} for r in rows])
+    with pytest.raises(ValueError, match="series here"):
+        rounds.series_rows(rows, "nope")
 
 
 def test_report_lists_the_cells_of_the_grid_that_did_not_run():
