@@ -207,15 +207,22 @@ def test_suite_end_to_end_on_the_cpu_and_skips_what_is_done(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 2  # nothing run twice
 
 
-def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch):
-    out = tmp_path / "results.jsonl"
+def _fake_runs(monkeypatch, **result) -> list[str]:
+    """The suite with each run replaced by a row of ``result`` and no report: the systems started, in order."""
     started = []
 
     def fake_run(system, model, budget, args):
         started.append(system)
-        return {"system": system, "model": model, "budget_gb": budget, "status": "error", "error": "fake"}
+        return {"system": system, "model": model, "budget_gb": budget, **result}
 
     monkeypatch.setattr(suite, "run_one", fake_run)
+    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    return started
+
+
+def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch):
+    out = tmp_path / "results.jsonl"
+    started = _fake_runs(monkeypatch, status="error", error="fake")
     args = ["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--out", str(out)]
     suite.main(args + ["--deadline", "-1"])
     assert started == [] and not out.exists()
@@ -235,14 +242,7 @@ def test_suite_starts_no_run_its_last_recorded_wall_says_the_deadline_would_kill
     assert suite.expected_wall(out, "tiny", None, "ours_auto") == 2.0  # its newest run
     assert suite.expected_wall(out, "tiny", None, "ours_offload_overlap") == 30.0  # slowest of ours: 2 and 30
     assert suite.expected_wall(out, "tiny", 40.0, "gpu_adamw") is None
-    started = []
-
-    def fake_run(system, model, budget, args):
-        started.append(system)
-        return {"system": system, "model": model, "budget_gb": budget, "status": "ok", "wall_s": 1.0}
-
-    monkeypatch.setattr(suite, "run_one", fake_run)
-    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    started = _fake_runs(monkeypatch, status="ok", wall_s=1.0)
     suite.main(["--models", "tiny", "--systems", "gpu_adamw,ours_offload_overlap,torchao_offload", "--again",
                 "--out", str(out), "--deadline", "100"])
     assert started == ["ours_offload_overlap", "torchao_offload"]
@@ -252,14 +252,7 @@ def test_suite_rounds_alternate_the_systems_and_mark_each_row(tmp_path, monkeypa
     """--rounds 3 runs A B A B A B (not A A A B B B: drift between rounds would fall on one side), each row
     with its round and the call's series; --rounds 0 is refused."""
     out = tmp_path / "results.jsonl"
-    started = []
-
-    def fake_run(system, model, budget, args):
-        started.append(system)
-        return {"system": system, "model": model, "budget_gb": budget, "status": "ok", "iter_s": 1.0}
-
-    monkeypatch.setattr(suite, "run_one", fake_run)
-    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    started = _fake_runs(monkeypatch, status="ok", iter_s=1.0)
     suite.main(["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--rounds", "3", "--out", str(out)])
     assert started == ["ours_auto", "gpu_adamw"] * 3
     rows = [json.loads(line) for line in out.read_text().splitlines()]
