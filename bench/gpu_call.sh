@@ -10,7 +10,7 @@
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 #   ITERS=N: suite steps time N iterations each way (default 5)
-#   ROUNDS=N: suite steps run their systems N times, alternating (python -m bench.rounds pairs them)
+#   ROUNDS=N: suite steps run their systems N times, alternating; bench.rounds pairs them into rounds.log
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -39,7 +39,8 @@ for step in "$@"; do
     suite|again) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
              --iters ${ITERS:-5} --rounds ${ROUNDS:-1} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) 2>&1 \
-             | tee -a $R/suite.log ;;
+             | tee -a $R/suite.log
+             [ "${ROUNDS:-1}" -gt 1 ] && python3 -m bench.rounds $results 2>&1 | tee -a $R/rounds.log ;;
     gputest) tests=${step#gputest}; tests=${tests#:}; tests=${tests//,/ }  # a node id keeps its "::"; commas part paths
              timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
              cat $R/gpu-tests.log ;;

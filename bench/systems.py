@@ -344,7 +344,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_stream_clip_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True,
                                                               bf16_cpu_path=True, params_mapped=False),
-    # and every flush in the update's order: the defaults (again since H200 call 70; the systems above without
+    # and every flush in the update's order: the defaults (again since H200 call 68; the systems above without
     # a suffix ran the _mapped settings in calls 64-67)
     "ours_offload_overlap_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
                                                                speculate=True, prefetch=True, bf16_cpu_path=True,

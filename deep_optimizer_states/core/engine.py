@@ -60,12 +60,12 @@ DEFAULT_STAGING_SLOTS = 4
 # True: the CPU path's params go up through a kernel that reads their pinned host memory over its device
 # mapping (``mapped.py``), not through a copy engine, which runs one copy at a time per direction in the order
 # enqueued: 50 MB behind 8 GB of fills took 167 ms by the copy engine, 1.6 ms by a kernel (bench/mapped_copy.py,
-# H200 call 62). Off: in the 1.36B iteration it was slower in 6 of 9 pairs (0.357 against 0.313 s with the
-# peers in call 66, 0.460 against 0.341 s on fresh data in call 67), its forward 0.05 s longer.
+# H200 call 62). Off: in the 1.36B iteration it was slower in 7 of 11 pairs (calls 63-70; 0.357 against 0.313 s
+# with the peers in call 66, 0.460 against 0.341 s on fresh data in call 67), within runs' 8-20% spread.
 PARAMS_UP_MAPPED = False
 # True: the flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups
 # cycling through the slots, whose next fills wait for them. Off: no gain beyond the spread (H200 call 64,
-# 0.320 against 0.314 s unclipped), and the flushes in the update's order leave the least in flight.
+# 0.320 against 0.314 s unclipped), and it lengthens the update (overlap.md calls 66-70).
 FLUSH_AHEAD_LAST = False
 
 
