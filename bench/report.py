@@ -25,14 +25,31 @@ LOSS_TOLERANCE = 0.005
 
 
 def load(path: Path) -> list[dict]:
-    """The latest row for each (model, budget, system), its iteration time by today's rule (``steady``)."""
+    """The latest row for each (model, budget, system), its iteration time by today's rule (``steady``); a
+    row of a ``bench.suite --rounds`` series stands for every round of its series (``over_rounds``)."""
     latest: dict[tuple, dict] = {}
+    rounds: dict[tuple, list[dict]] = {}
     for number, line in enumerate(path.read_text().splitlines()):
         if line.strip():
             row = steady(json.loads(line))
             row["line"] = number  # later lines are later runs
-            latest[(row["model"], row["budget_gb"], row["system"])] = row
-    return list(latest.values())
+            key = (row["model"], row["budget_gb"], row["system"])
+            latest[key] = row
+            if row.get("series") is not None and row.get("status") == "ok":
+                rounds.setdefault((*key, row["series"]), []).append(row)
+    return [over_rounds(row, rounds.get((*key, row.get("series")), [])) for key, row in latest.items()]
+
+
+def over_rounds(row: dict, series: list[dict]) -> dict:
+    """``row`` with its iteration the median of its series' rounds (and the mean of their means), the rounds'
+    medians kept in ``rounds_iter_s``: runs of the same settings on one machine moved 8-20% (overlap.md calls
+    66-70), so one round's figure is not the series' figure."""
+    if len(series) < 2 or row.get("status") != "ok":
+        return row
+    medians = [r["iter_s"] for r in series]
+    means = [r["iter_mean_s"] for r in series if r.get("iter_mean_s") is not None]
+    return {**row, "iter_s": statistics.median(medians), "rounds_iter_s": medians,
+            "iter_mean_s": statistics.fmean(means) if len(means) == len(series) else row.get("iter_mean_s")}
 
 
 def steady(row: dict) -> dict:
@@ -264,9 +281,9 @@ def write_report(results: Path, command: str) -> int:
             f"torch {first.get('torch', '?')}. Each system ran in its own process. Iteration: the median wall time "
             "of iterations run as a training loop runs them, synchronised only by reading the loss, the first of "
             "them left out (rows with `iter_walls_s`; older rows: the sum of the phases), and their mean (where "
-            "the walls alternate, as with `prefetch`, the loop runs at the mean); forward, backward and "
-            "step: measured in other "
-            "iterations with a device synchronize around each phase.", "",
+            "the walls alternate, as with `prefetch`, the loop runs at the mean); for a system run in rounds "
+            "(`bench.suite --rounds`), the median of its rounds' medians and the mean of their means; forward, "
+            "backward and step: measured in other iterations with a device synchronize around each phase.", "",
             *notes(results.parent),
             "## Ours against each peer", "", "Each peer's time divided by ours under the same model and budget "
             f"(above 1: ours is faster); ours is the latest run of {OURS} or a variant of it in that cell.", "",
