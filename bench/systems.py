@@ -333,8 +333,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True, speculate=True,
                                                               bf16_cpu_path=True, fill_cap=2.0),
-    # the CPU path's params up by the copy engine with the flushes filled ahead last (engine.FLUSH_AHEAD_LAST
-    # alone, H200 call 64)
+    # the CPU path's params up by the copy engine, the flushes filled ahead last: the defaults (since H200 call
+    # 70; the systems without a suffix ran the _mapped settings in calls 64-67 and _ce_inorder in calls 68-70)
     "ours_offload_overlap_spec_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
                                                        speculate=True, prefetch=True, bf16_cpu_path=True,
                                                        params_mapped=False),
@@ -344,8 +344,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_stream_clip_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True,
                                                               bf16_cpu_path=True, params_mapped=False),
-    # and every flush in the update's order: the defaults (again since H200 call 68; the systems above without
-    # a suffix ran the _mapped settings in calls 64-67)
+    # and every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70)
     "ours_offload_overlap_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
                                                                params_mapped=False, flush_ahead_last=False),
@@ -358,7 +357,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                                       bf16_cpu_path=True, params_mapped=False,
                                                                       flush_ahead_last=False),
     # the CPU path's params read by a kernel over the host memory's mapping, with and without the flushes
-    # filled ahead last (the defaults of 7f094c8, H200 calls 64-67; both off since)
+    # filled ahead last (the defaults of 7f094c8, H200 calls 64-67; the mapping off since)
     "ours_offload_overlap_spec_prefetch_bf16_mapped": ours("offload", stream_grads=True, overlap=True,
                                                            speculate=True, prefetch=True, bf16_cpu_path=True,
                                                            params_mapped=True, flush_ahead_last=True),

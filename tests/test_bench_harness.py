@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import dist_estimate, report, rounds, run_system, suite
+from bench import dist_estimate, report, rounds, run_system, suite, walls
 from bench.free_loop import PARTS
 from bench.systems import CLIP, REFERENCE
 from tests.harness import needs_compiler
@@ -294,6 +294,25 @@ def test_report_gives_a_system_run_in_rounds_the_median_of_its_rounds(tmp_path):
         f.write(json.dumps(_row("ours_auto", iter_s=0.5)) + "\n")
     (row,) = report.load(results)
     assert row["iter_s"] == 0.5 and "rounds_iter_s" not in row
+
+
+def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, capsys):
+    """A loss read of 0.1 s (queued behind flushes) counts, one of 0.2 ms does not; --last reads only the
+    file's last rows; peers and rows without splits are left out."""
+    def split(read: float) -> dict:
+        return {"forward": 0.2, "backward": 0.1, "step": 0.02, "loss_read": read}
+
+    steady = _row("ours_a", iter_walls_s=[0.3, 0.3, 0.3], walls_split_s=[split(0.0002)] * 3)
+    racing = _row("ours_b", iter_walls_s=[0.45, 0.2, 0.3], walls_split_s=[split(0.12), split(0.0001), split(0.011)])
+    assert walls.steadiness(steady)["waited"] == 0 and walls.steadiness(steady)["walls_sd_s"] == 0
+    assert walls.steadiness(racing)["waited"] == 2 and walls.steadiness(racing)["walls_sd_s"] > 0.1
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (steady, _row("gpu_adamw"), racing)))
+    walls.main([str(results)])
+    out = capsys.readouterr().out
+    assert "| ours_a | 1.000 | 0 of 3 |" in out and "| ours_b | 1.000 | 2 of 3 |" in out and "gpu_adamw" not in out
+    walls.main(["--last", "1", str(results)])
+    assert "ours_a" not in capsys.readouterr().out
 
 
 def test_report_lists_the_cells_of_the_grid_that_did_not_run():

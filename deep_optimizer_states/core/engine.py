@@ -18,7 +18,7 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
 
 The main thread enqueues the residents, then the updates of the staged subgroups filled ahead (their params
 are what the next forward waits for), then the staged pipeline with its flushes in order (slots bound how far
-it runs ahead; ``FLUSH_AHEAD_LAST``: those filled ahead flush last); the residents have a stream
+it runs ahead), then the flushes of those filled ahead (``FLUSH_AHEAD_LAST``); the residents have a stream
 of their own, so a staged subgroup's kernels never queue behind them (the link would idle meanwhile). The
 CPU worker takes CPU subgroups in order and keeps the gradients of the next GRAD_LOOKAHEAD ones on their way
 down, so grads trickle at the CPU's pace instead of crowding the link and host memory at the start (with
@@ -63,10 +63,13 @@ DEFAULT_STAGING_SLOTS = 4
 # H200 call 62). Off: in the 1.36B iteration it was slower in 7 of 11 pairs (calls 63-70; 0.357 against 0.313 s
 # with the peers in call 66, 0.460 against 0.341 s on fresh data in call 67), within runs' 8-20% spread.
 PARAMS_UP_MAPPED = False
-# True: the flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups
-# cycling through the slots, whose next fills wait for them. Off: no gain beyond the spread (H200 call 64,
-# 0.320 against 0.314 s unclipped), and it lengthens the update (overlap.md calls 66-70).
-FLUSH_AHEAD_LAST = False
+# The flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups cycling
+# through the slots, whose next fills wait for them. Enqueued first, they held up any copy to the host that a
+# training loop makes right after step() (its loss read: a direction of the link runs one copy at a time in
+# the order enqueued): in 12 of 17 runs in order the loop's loss read waited ~0.1 s in some iterations (39 of
+# 204), in none of 12 runs with this order (0 of 144), the walls' spread 0.051 against 0.019 s (median sd;
+# H200 calls 63-70, bench/walls.py), the iteration's median within the runs' spread. False: the update's order.
+FLUSH_AHEAD_LAST = True
 
 
 @dataclass
