@@ -298,7 +298,7 @@ def test_report_gives_a_system_run_in_rounds_the_median_of_its_rounds(tmp_path):
 
 def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, capsys):
     """A loss read of 0.1 s (queued behind flushes) counts, one of 0.2 ms does not; --last reads only the
-    file's last rows; peers and rows without splits are left out."""
+    file's last rows; the peers are left out."""
     def split(read: float) -> dict:
         return {"forward": 0.2, "backward": 0.1, "step": 0.02, "loss_read": read}
 
