@@ -83,6 +83,16 @@ def _budget(b: float | None) -> str:
     return "whole" if b is None else f"{b:g} GB"
 
 
+def reference_of(system: str) -> str:
+    """The reference run a run of ours is checked against: clipped for a clipped system."""
+    return REFERENCE + "_clip" if "_clip" in system else REFERENCE
+
+
+def loss_gap(row: dict, ref: dict) -> float:
+    """The largest |ours - reference| over the steps both ran, over the reference's first loss."""
+    return max(abs(a - b) for a, b in zip(row["losses"], ref["losses"])) / abs(ref["losses"][0])
+
+
 def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[str]:
     """One line per run of ours whose losses leave the reference's (same model; same budget, else whole)."""
     ok = {(r["model"], r["budget_gb"], r["system"]): r for r in rows if r.get("status") == "ok"}
@@ -90,14 +100,13 @@ def check_losses(rows: list[dict], tolerance: float = LOSS_TOLERANCE) -> list[st
     for (model, budget, system), row in ok.items():
         if not system.startswith("ours"):
             continue
-        reference = REFERENCE + "_clip" if "_clip" in system else REFERENCE
+        reference = reference_of(system)
         ref = ok.get((model, budget, reference)) or ok.get((model, None, reference))
         if ref is None:
             continue
         if row.get("data_seed", DATA_SEED) != ref.get("data_seed", DATA_SEED):
             continue  # another batch: another loss curve
-        # rows of runs with more iterations (a later protocol) are compared over the steps both ran
-        worst = max(abs(a - b) for a, b in zip(row["losses"], ref["losses"])) / abs(ref["losses"][0])
+        worst = loss_gap(row, ref)  # rows of runs with more iterations (a later protocol): the steps both ran
         row["loss_vs_reference"] = worst
         if worst > tolerance or min(len(row["losses"]), len(ref["losses"])) < 2:
             failures.append(f"{system} on {model} ({_budget(budget)}): loss differs from {reference} by "

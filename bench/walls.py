@@ -1,6 +1,12 @@
-"""Per run of ours, how steady its walls were: how many iterations' loss read waited, and the walls' spread.
+"""Per run of ours, how steady its walls were and what its steps recorded, from the suite's rows.
 
     python -m bench.walls docs/results/2026-12-02-h200-call67/results-seed7.jsonl [FILE ...] [--last N]
+        [--references docs/benchmarks/results.jsonl]
+
+Columns: how many iterations' loss read waited and the walls' standard deviation; the medians over the last
+``STEPS`` steps' own records (``history``: the update's seconds, until every param write had run, and how
+long the next forward waited for them); the loss's largest gap to the reference run of the same model and
+batch (``report.loss_gap``), found among the rows read and those of ``--references``.
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
 That read is a copy to the host, and a direction of the link runs one copy at a time in the order enqueued:
@@ -16,7 +22,11 @@ import json
 import statistics
 from pathlib import Path
 
+from bench.report import loss_gap, reference_of
+from bench.run_system import DATA_SEED
+
 WAITED_S = 0.01  # a loss read of a finished forward takes ~0.1 ms; one queued behind flushes, 0.1 s
+STEPS = 12  # the steps of the timed iterations (the rows' history also holds the warm-up's)
 
 
 def steadiness(row: dict) -> dict:
@@ -26,20 +36,51 @@ def steadiness(row: dict) -> dict:
             "walls": len(reads), "walls_sd_s": round(statistics.pstdev(row["iter_walls_s"]), 4)}
 
 
+def step_records(row: dict) -> dict[str, float | None]:
+    """Medians over the last STEPS steps of the update's seconds, its params done and the forward's wait."""
+    steps = row.get("history", [])[-STEPS:]
+    out = {}
+    for key in ("update_s", "params_done_s", "forward_wait_s"):
+        values = [s[key] for s in steps if s.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _batch(row: dict) -> tuple:
+    return row["model"], row.get("data_seed", DATA_SEED)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--last", type=int, default=None, help="only each file's last N rows")
+    parser.add_argument("--references", nargs="*", type=Path, default=[],
+                        help="more files to find the reference runs in (their latest run per model and batch)")
     args = parser.parse_args(argv)
-    print("| file | system | iteration s | loss reads that waited | walls' sd s |\n|---|---|---|---|---|")
+    runs = []
     for path in args.files:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
-        for line in lines[-args.last:] if args.last else lines:
-            row = json.loads(line)
-            if row.get("status") == "ok" and str(row.get("system")).startswith("ours") and row.get("walls_split_s"):
-                s = steadiness(row)
-                print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | "
-                      f"{s['waited']} of {s['walls']} | {s['walls_sd_s']:.3f} |")
+        runs += [(path, json.loads(line)) for line in (lines[-args.last:] if args.last else lines)]
+    references = {}
+    for row in [json.loads(line) for p in args.references for line in p.read_text().splitlines() if line.strip()] \
+            + [row for _, row in runs]:
+        if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
+            references[(row["system"], *_batch(row))] = row
+    print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
+          "| forward wait s | loss vs reference |\n|---|---|---|---|---|---|---|---|---|")
+    for path, row in runs:
+        if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
+            continue
+        s, r = steadiness(row), step_records(row)
+        ref = references.get((reference_of(row["system"]), *_batch(row)))
+        gap = "-" if ref is None else f"{loss_gap(row, ref):.2%}"
+        print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | {s['waited']} of "
+              f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
+              f"{_fmt(r['forward_wait_s'])} | {gap} |")
     return 0
 
 
