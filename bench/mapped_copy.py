@@ -9,16 +9,58 @@ engine. This measures, on one GPU:
 - how long the small copy takes when enqueued behind FILLS big fills on another stream, each way.
 
     python3 -m bench.mapped_copy [--fills 8] [--fill-mb 1024] [--small-mb 50]
+
+(The engine took the CPU path's params up this way behind ``engine.PARAMS_UP_MAPPED`` from H200 call 62 until
+the twenty-ninth session: slower than the copy engine in the iteration, overlap.md calls 63-73.)
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 
 import torch
 
-from deep_optimizer_states.core.mapped import mapped_view
+_CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _device_pointer(host_ptr: int) -> int:
+    """The GPU's address of a pinned host address (equal to it where the device can use host pointers)."""
+    out = ctypes.c_uint64()
+    rc = _driver().cuPointerGetAttribute(ctypes.byref(out), _CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                                         ctypes.c_uint64(host_ptr))
+    if rc != 0:
+        raise RuntimeError(f"host memory at {host_ptr:#x} has no device mapping (cuPointerGetAttribute: error {rc}); "
+                           "it must be pinned (pin_memory() or cudaHostRegister)")
+    return out.value
+
+
+class _Interface:
+    """What torch.as_tensor reads (__cuda_array_interface__ v2: no stream, the caller orders the reads)."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
+
+
+def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor on ``device`` over the memory of the pinned, contiguous CPU tensor ``host`` (which it keeps
+    alive). Copy from it with a kernel (an elementwise op), not ``copy_`` between equal dtypes, which torch
+    hands to the copy engine."""
+    if host.device.type != "cpu" or not host.is_contiguous() or not host.is_pinned():
+        raise ValueError("mapped_view needs a contiguous, pinned CPU tensor")
+    nbytes = host.numel() * host.element_size()
+    with torch.cuda.device(device):
+        raw = torch.as_tensor(_Interface(_device_pointer(host.data_ptr()), nbytes), device=device)
+    view = raw.view(host.dtype).view(host.shape)
+    view._dos_host = host  # the view does not own the memory
+    return view
 
 
 def _elapsed_ms(start: torch.cuda.Event, end: torch.cuda.Event) -> float:

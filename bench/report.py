@@ -41,15 +41,18 @@ def load(path: Path) -> list[dict]:
 
 
 def over_rounds(row: dict, series: list[dict]) -> dict:
-    """``row`` with its iteration the median of its series' rounds (and the mean of their means), the rounds'
+    """The series' row with its iteration the median of its rounds (and the mean of their means), the rounds'
     medians kept in ``rounds_iter_s``: runs of the same settings on one machine moved 8-20% (overlap.md calls
-    66-70), so one round's figure is not the series' figure."""
+    66-70), so one round's figure is not the series' figure. The other columns (phases, rate, peak) are the
+    median round's (the lower of the middle two for an even count), not the last round's; its ``line`` stays
+    the last round's, the series' place among later runs."""
     if len(series) < 2 or row.get("status") != "ok":
         return row
     medians = [r["iter_s"] for r in series]
     means = [r["iter_mean_s"] for r in series if r.get("iter_mean_s") is not None]
-    return {**row, "iter_s": statistics.median(medians), "rounds_iter_s": medians,
-            "iter_mean_s": statistics.fmean(means) if len(means) == len(series) else row.get("iter_mean_s")}
+    middle = sorted(series, key=lambda r: r["iter_s"])[(len(series) - 1) // 2]
+    return {**middle, "line": row["line"], "iter_s": statistics.median(medians), "rounds_iter_s": medians,
+            "iter_mean_s": statistics.fmean(means) if len(means) == len(series) else middle.get("iter_mean_s")}
 
 
 def steady(row: dict) -> dict:

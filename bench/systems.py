@@ -67,7 +67,6 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
-         params_mapped: bool | None = None,
          flush_ahead_last: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
@@ -82,17 +81,13 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     evenly, as a fixed schedule (the performance model does not choose: what another split gives); ``fill_cap``:
     ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
-    ``params_mapped``: ``engine.PARAMS_UP_MAPPED`` for this process (False: the CPU path's params go up by the
-    copy engine, behind the staged fills enqueued before them; True: a kernel reads them over the mapping, the
-    default of 2026-12-02's calls 64-67); ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
+    ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
         if fill_cap is not None:
             plan_module.FILL_CAP = fill_cap
-        if params_mapped is not None:
-            engine_module.PARAMS_UP_MAPPED = params_mapped
         if flush_ahead_last is not None:
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
         model = llama(preset, torch.bfloat16, device)
@@ -178,8 +173,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
                        + (f"fills ahead capped at {fill_cap} x what the rest carries, " if fill_cap is not None else "")
-                       + ("CPU path's params up through the mapping, " if engine_module.PARAMS_UP_MAPPED
-                          else "CPU path's params up by the copy engine, ")
+                       + "CPU path's params up by the copy engine, "
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
@@ -333,46 +327,21 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True, speculate=True,
                                                               bf16_cpu_path=True, fill_cap=2.0),
-    # the CPU path's params up by the copy engine, the flushes filled ahead last: the defaults (since H200 call
-    # 70; the systems without a suffix ran the _mapped settings in calls 64-67 and _ce_inorder in calls 68-70)
-    "ours_offload_overlap_spec_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
-                                                       speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                       params_mapped=False),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
-                                                            max_grad_norm=CLIP, prefetch=True, speculate=True,
-                                                            bf16_cpu_path=True, params_mapped=False),
-    "ours_offload_overlap_stream_clip_prefetch_bf16_ce": ours("offload", stream_grads=True, overlap=True,
-                                                              max_grad_norm=CLIP, prefetch=True,
-                                                              bf16_cpu_path=True, params_mapped=False),
-    # and every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70)
+    # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
+    # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
+    # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the
+    # host memory's mapping, taken out after call 73 (slower in 10 of 15 pairs: overlap.md)
     "ours_offload_overlap_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                               params_mapped=False, flush_ahead_last=False),
+                                                               flush_ahead_last=False),
     "ours_offload_overlap_clip_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
                                                                     max_grad_norm=CLIP, prefetch=True,
                                                                     speculate=True, bf16_cpu_path=True,
-                                                                    params_mapped=False, flush_ahead_last=False),
+                                                                    flush_ahead_last=False),
     "ours_offload_overlap_stream_clip_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
                                                                       max_grad_norm=CLIP, prefetch=True,
-                                                                      bf16_cpu_path=True, params_mapped=False,
+                                                                      bf16_cpu_path=True,
                                                                       flush_ahead_last=False),
-    # the CPU path's params read by a kernel over the host memory's mapping, with and without the flushes
-    # filled ahead last (the defaults of 7f094c8, H200 calls 64-67; the mapping off since)
-    "ours_offload_overlap_spec_prefetch_bf16_mapped": ours("offload", stream_grads=True, overlap=True,
-                                                           speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                           params_mapped=True, flush_ahead_last=True),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_mapped": ours("offload", stream_grads=True, overlap=True,
-                                                                max_grad_norm=CLIP, prefetch=True, speculate=True,
-                                                                bf16_cpu_path=True, params_mapped=True,
-                                                                flush_ahead_last=True),
-    "ours_offload_overlap_stream_clip_prefetch_bf16_mapped": ours("offload", stream_grads=True, overlap=True,
-                                                                  max_grad_norm=CLIP, prefetch=True,
-                                                                  bf16_cpu_path=True, params_mapped=True,
-                                                                  flush_ahead_last=True),
-    "ours_offload_overlap_spec_prefetch_bf16_mapped_inorder": ours("offload", stream_grads=True, overlap=True,
-                                                                   speculate=True, prefetch=True,
-                                                                   bf16_cpu_path=True, params_mapped=True,
-                                                                   flush_ahead_last=False),
     # 32 spares instead of 16 (12 B per element each, pageable): whether the spares or the CPU limit what
     # runs ahead (H200 call 16: about 12 kept and 4 called off of 16 per step)
     "ours_offload_overlap_spec32_bf16": ours("offload", stream_grads=True, overlap=True, speculate=32,

@@ -7,10 +7,9 @@
 After ``warmup`` free-running iterations (no synchronize but the loss read, as bench/free_loop.py runs them),
 ``iters`` more run under torch.profiler (CPU threads and GPU streams). Written to DIR: ``SYSTEM.trace.json.gz``
 (Chrome trace, for Perfetto) and ``SYSTEM.summary.json``: each traced iteration's wall, the host seconds of
-each call, each direction of the link's busy milliseconds (copy-engine copies of any stream: not the CPU
-path's params read by kernels over the host memory's mapping, ``engine.PARAMS_UP_MAPPED``), and per GPU
-stream (named after our lanes) its busy milliseconds and its copies each way (GB) inside the iteration; and per stream and direction, how long its copies waited between being enqueued and
-starting (a direction of the link runs one copy at a time: a copy that waits long waited behind others).
+each call, each direction of the link's busy milliseconds (copy-engine copies of any stream), and per GPU
+stream (named after our lanes) its busy milliseconds and its copies each way (GB) inside the iteration; and
+per stream and direction, how long its copies waited between being enqueued and starting (a direction of the link runs one copy at a time: a copy that waits long waited behind others).
 """
 
 from __future__ import annotations

@@ -281,15 +281,16 @@ def test_rounds_pair_each_system_with_the_first_in_the_same_round():
 
 
 def test_report_gives_a_system_run_in_rounds_the_median_of_its_rounds(tmp_path):
-    """The report's row for a --rounds series is the median of its rounds, not the last round; a row run
-    after the series, without rounds, is the latest again."""
+    """The report's row for a --rounds series is the median of its rounds, not the last round, and its other
+    columns are the median round's; a row run after the series, without rounds, is the latest again."""
     results = tmp_path / "results.jsonl"
-    series = [_row("ours_auto", iter_s=t, iter_mean_s=t + 0.01, series="s1", round=k + 1)
-              for k, t in enumerate((0.30, 0.33, 0.40))]
+    series = [{**_row("ours_auto", iter_s=t, iter_mean_s=t + 0.01, series="s1", round=k + 1), "peak_gpu_GB": g}
+              for k, (t, g) in enumerate(((0.31, 20.0), (0.30, 30.0), (0.40, 40.0)))]
     results.write_text("".join(json.dumps(r) + "\n" for r in series))
     (row,) = report.load(results)
-    assert row["iter_s"] == pytest.approx(0.33) and row["rounds_iter_s"] == [0.30, 0.33, 0.40]
-    assert row["iter_mean_s"] == pytest.approx((0.31 + 0.34 + 0.41) / 3)
+    assert row["iter_s"] == pytest.approx(0.31) and row["rounds_iter_s"] == [0.31, 0.30, 0.40]
+    assert row["peak_gpu_GB"] == 20.0 and row["round"] == 1 and row["line"] == 2  # the median round's figures
+    assert row["iter_mean_s"] == pytest.approx((0.32 + 0.31 + 0.41) / 3)
     with results.open("a") as f:
         f.write(json.dumps(_row("ours_auto", iter_s=0.5)) + "\n")
     (row,) = report.load(results)

@@ -4,8 +4,7 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
 
   CPU-placed:  [grads_down] grad -> fp32 (x multipliers) -> pinned host grad32
                [cpu worker] wait for it, fused AdamW on the host master/exp_avg/exp_avg_sq
-               [params_up]  fp32 master -> GPU scratch -> cast into the model's param (``PARAMS_UP_MAPPED``:
-                            by a kernel reading the host memory over its device mapping)
+               [params_up]  fp32 master -> GPU scratch -> cast into the model's param
                (``bf16_cpu_path``, bf16 params: grad -> bf16 grad32 half, also when streamed; AdamW reading it,
                applying the multipliers and rounding the params into the other half, ``bf16_update``;
                those go up)
@@ -42,7 +41,6 @@ from . import cpu_adamw
 from .adam import AdamHyper, adam_update
 from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
-from .mapped import copy_by_kernel, mapped_view
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
 from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, Slot
@@ -57,12 +55,6 @@ GRAD_LOOKAHEAD = 2  # CPU subgroups whose gradients are on their way down ahead 
 # Four closed it on 2 H200s sharing one host: a 5.2B step with every subgroup staged took 1.085 s with 2
 # slots and 0.903-0.921 s with 4 (docs/benchmarks/fsdp2.md). Fewer are used when GPU memory is short.
 DEFAULT_STAGING_SLOTS = 4
-# True: the CPU path's params go up through a kernel that reads their pinned host memory over its device
-# mapping (``mapped.py``), not through a copy engine, which runs one copy at a time per direction in the order
-# enqueued: 50 MB behind 8 GB of fills took 167 ms by the copy engine, 1.6 ms by a kernel (bench/mapped_copy.py,
-# H200 call 62). Off: in the 1.36B iteration it was slower in 7 of 11 pairs (calls 63-70; 0.357 against 0.313 s
-# with the peers in call 66, 0.460 against 0.341 s on fresh data in call 67), within runs' 8-20% spread.
-PARAMS_UP_MAPPED = False
 # The flushes of the staged subgroups filled ahead (``prefetch``) go after those of the subgroups cycling
 # through the slots, whose next fills wait for them. Enqueued first, they held up any copy to the host that a
 # training loop makes right after step() (its loss read: a direction of the link runs one copy at a time in
@@ -237,8 +229,7 @@ class Engine:
         self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam", initializer=torch.cuda.set_device,
                                            initargs=(device,))  # a new thread starts on GPU 0: not another rank's
                         if device.type == "cuda" else None)
-        self._warned_fallback = self._warned_mapping = False
-        self._mapped: dict[int, tuple[tuple[int, torch.dtype], torch.Tensor | None]] = {}  # see _mapped_source
+        self._warned_fallback = False
         self._on_written: Callable[[int, object], None] = _ignore
         self._on_settled: Callable[[int, object], None] = _ignore
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
@@ -396,8 +387,7 @@ class Engine:
         to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
         cuda = self.device.type == "cuda"
         down = torch.empty(max(to_send), dtype=FP32, device=self.device) if cuda and to_send else None
-        mapped = cuda and PARAMS_UP_MAPPED  # the params go up without the scratch
-        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu and not mapped else None
+        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu else None
         resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
         return jobs, slots, down, up, grads
@@ -431,34 +421,9 @@ class Engine:
             self._cpu_spans.append((t0, t1, f"sg{sg.index}"))
         self._on_settled(sg.index, Done())
         host = sg.bf16_halves()[1] if sg.index in feed.bf16 else sg.master
-        mapped = self._mapped_source(sg, host)
         with self.params_up.run(f"sg{sg.index}"):
-            if mapped is not None:
-                sg.scatter_params(mapped, copy=copy_by_kernel)
-            else:
-                _params_from(host, sg, scratch)
+            _params_from(host, sg, scratch)
         self._on_written(sg.index, self.params_up.record(timing=True))
-
-    def _mapped_source(self, sg: Subgroup, host: torch.Tensor) -> torch.Tensor | None:
-        """``host`` (the CPU path's params of ``sg``, on the host) as seen from the GPU (``PARAMS_UP_MAPPED``),
-        made once per subgroup and source; None without a GPU, with the copy engine chosen, or where the
-        memory is not pinned (then it goes up through the scratch)."""
-        if self.device.type != "cuda" or not PARAMS_UP_MAPPED:
-            return None
-        key = (host.data_ptr(), host.dtype)
-        known = self._mapped.get(sg.index)
-        if known is None or known[0] != key:
-            view = None
-            if host.is_pinned():
-                try:
-                    view = mapped_view(host, self.device)
-                except (OSError, RuntimeError, TypeError, ValueError) as e:  # no libcuda (ROCm), no mapping
-                    if not self._warned_mapping:
-                        warnings.warn(f"the CPU path's params go up by the copy engine: no device mapping of "
-                                      f"their host memory ({e})", RuntimeWarning)
-                        self._warned_mapping = True
-            known = self._mapped[sg.index] = (key, view)
-        return known[1]
 
     def _update_resident(self, job: Job, residents: Residents, fresh: bool, scratch: torch.Tensor,
                          multipliers, grads: dict | None) -> None:

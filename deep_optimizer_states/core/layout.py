@@ -23,7 +23,6 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -129,17 +128,12 @@ class Subgroup:
             else:
                 out.copy_(grad.reshape(-1)[pc.lo : pc.hi], non_blocking=True)
 
-    def scatter_params(self, src: torch.Tensor,
-                       copy: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
+    def scatter_params(self, src: torch.Tensor) -> None:
         """The model's params = src (flat fp32, or bf16 already rounded; on the params' device) rounded to each
-        param's dtype; ``copy(dst, src)`` instead of ``dst.copy_(src)`` (``mapped.copy_by_kernel``)."""
+        param's dtype."""
         for pc in self.pieces:
             p = local(self.bucket.params[pc.i]).detach()  # the CPU worker thread is not under no_grad
-            dst, piece = p.view(-1)[pc.lo : pc.hi], src[pc.at : pc.at + pc.hi - pc.lo]
-            if copy is None:
-                dst.copy_(piece, non_blocking=True)
-            else:
-                copy(dst, piece)
+            p.view(-1)[pc.lo : pc.hi].copy_(src[pc.at : pc.at + pc.hi - pc.lo], non_blocking=True)
 
     def runs(self, has_grad: list[bool]) -> list[tuple[int, int, int]]:
         """(start, end, steps done) spans of this subgroup to update: params with a gradient, merged where

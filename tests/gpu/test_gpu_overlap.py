@@ -75,33 +75,6 @@ def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
     _same_run(model, ours, twin, ref, seed, "the forward read params the update had not written yet")
 
 
-@pytest.mark.parametrize("schedule", ["cpu", 2], ids=str)
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32-path", "bf16-path"])
-def test_params_up_through_the_mapping_change_no_bit(schedule, bf16, monkeypatch):
-    """The CPU path's params read by a kernel over the link (``engine.PARAMS_UP_MAPPED``), with
-    overlap and streamed gradients, beside staged fills: the same losses, masters, params and states as the
-    synchronous update taking them up by the copy engine, bit for bit."""
-    from deep_optimizer_states.core import engine
-
-    seed = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {seed}")
-    model = _stack(seed)
-    twin = copy.deepcopy(model)
-    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=1.0, stream_grads=True, schedule=schedule,
-                  bf16_cpu_path=bf16)
-    monkeypatch.setattr(engine, "PARAMS_UP_MAPPED", False)
-    ref = DeepOptimizerStates(twin, **kwargs)
-    want = _losses(twin, ref, seed, 6)
-    monkeypatch.setattr(engine, "PARAMS_UP_MAPPED", True)
-    ours = DeepOptimizerStates(model, overlap=True, **kwargs)
-    got = _losses(model, ours, seed, 6)
-    ours.synchronize()
-    assert ours.last_update.cpu_subgroups > 0
-    assert all(view is not None for _, view in ours.engine._mapped.values())  # it took the mapping
-    assert not ref.engine._mapped
-    _same_results(model, ours, got, twin, ref, want, "params taken up through the mapping changed the result")
-
-
 @pytest.mark.parametrize("schedule", [3, "gpu", "offload"], ids=str)
 @pytest.mark.parametrize("overlap,joined", [(False, True), (True, True), (True, False)],
                          ids=["sync", "overlap", "overlap-flushing"])
