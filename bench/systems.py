@@ -327,6 +327,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
                                                               max_grad_norm=CLIP, prefetch=True, speculate=True,
                                                               bf16_cpu_path=True, fill_cap=2.0),
+    # fills during backward sized by three quarters of the learnt rest: in calls 71-75 the slow 1.36B runs had
+    # learnt a longer rest and planned more fills (overlap.md, calls 71-75); not run yet
+    "ours_offload_overlap_spec_prefetch_bf16_cap075": ours("offload", stream_grads=True, overlap=True,
+                                                           speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                           fill_cap=0.75),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

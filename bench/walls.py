@@ -4,8 +4,9 @@
         [--references docs/benchmarks/results.jsonl]
 
 Columns: how many iterations' loss read waited and the walls' standard deviation; the medians over the last
-``STEPS`` steps' own records (``history``: the update's seconds, until every param write had run, and how
-long the next forward waited for them); the loss's largest gap to the reference run of the same model and
+``STEPS`` steps' own records (``history``: the update's seconds, until every param write had run, how long
+the next forward waited for them, and the rest of the iteration the planner learnt, which sizes the fills
+during backward); the median of the timed walls' backward; the loss's largest gap to the reference run of the same model and
 batch (``report.loss_gap``), found among the rows read and those of ``--references``.
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
@@ -37,10 +38,12 @@ def steadiness(row: dict) -> dict:
 
 
 def step_records(row: dict) -> dict[str, float | None]:
-    """Medians over the last STEPS steps of the update's seconds, its params done and the forward's wait."""
+    """Medians over the last STEPS steps of the update's seconds, its params done, the forward's wait and the
+    rest of the iteration the planner learnt (``rest_s``: a step's seconds outside its update, backward
+    mostly; what the fills planned during backward are sized by)."""
     steps = row.get("history", [])[-STEPS:]
     out = {}
-    for key in ("update_s", "params_done_s", "forward_wait_s"):
+    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s"):
         values = [s[key] for s in steps if s.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return out
@@ -71,16 +74,17 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
-          "| forward wait s | loss vs reference |\n|---|---|---|---|---|---|---|---|---|")
+          "| forward wait s | rest learnt s | backward s | loss vs reference |\n" + "|---" * 11 + "|")
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
             continue
         s, r = steadiness(row), step_records(row)
         ref = references.get((reference_of(row["system"]), *_batch(row)))
         gap = "-" if ref is None else f"{loss_gap(row, ref):.2%}"
+        backward = statistics.median(split["backward"] for split in row["walls_split_s"])
         print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | {s['waited']} of "
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
-              f"{_fmt(r['forward_wait_s'])} | {gap} |")
+              f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | {gap} |")
     return 0
 
 

@@ -305,12 +305,13 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
         return {"forward": 0.2, "backward": 0.1, "step": 0.02, "loss_read": read}
 
     steady = _row("ours_a", iter_walls_s=[0.3, 0.3, 0.3], walls_split_s=[split(0.0002)] * 3)
-    history = [{"update_s": 9.0, "params_done_s": 9.0, "forward_wait_s": None}] + [
-        {"update_s": u, "params_done_s": u - 0.01, "forward_wait_s": 0.1} for u in [0.2] * 7 + [0.3] * 5]
+    history = [{"update_s": 9.0, "params_done_s": 9.0, "forward_wait_s": None, "rest_s": 0.0}] + [
+        {"update_s": u, "params_done_s": u - 0.01, "forward_wait_s": 0.1, "rest_s": u / 2}
+        for u in [0.2] * 7 + [0.3] * 5]
     racing = _row("ours_b", iter_walls_s=[0.45, 0.2, 0.3], walls_split_s=[split(0.12), split(0.0001), split(0.011)],
                   history=history, losses=[10.0, 9.0, 8.1])
     assert walls.step_records(racing) == pytest.approx({"update_s": 0.2, "params_done_s": 0.19,
-                                                        "forward_wait_s": 0.1})  # the 13th step left out
+                                                        "forward_wait_s": 0.1, "rest_s": 0.1})  # the 13th left out
     assert walls.steadiness(steady)["waited"] == 0 and walls.steadiness(steady)["walls_sd_s"] == 0
     assert walls.steadiness(racing)["waited"] == 2 and walls.steadiness(racing)["walls_sd_s"] > 0.1
     results = tmp_path / "results.jsonl"
@@ -321,9 +322,9 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     walls.main([str(results), "--references", str(references)])
     out = capsys.readouterr().out
     assert "| ours_a | 1.000 | 0 of 3 |" in out and "gpu_adamw" not in out
-    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 1.00% |" in out  # 0.1 / 10
+    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 1.00% |" in out  # 0.1 / 10
     walls.main([str(results)])
-    assert "| 0.100 | - |" in capsys.readouterr().out  # no reference for its batch
+    assert "| 0.100 | 0.100 | - |" in capsys.readouterr().out  # no reference for its batch
     walls.main(["--last", "1", str(results)])
     assert "ours_a" not in capsys.readouterr().out
 
