@@ -26,6 +26,7 @@ import torch
 
 from bench.free_loop import free_running
 from bench.systems import OURS, SYSTEMS
+from deep_optimizer_states.core.host_memory import transparent_huge_pages
 from deep_optimizer_states.tools.models import PRESETS
 
 RESULT = "RESULT "
@@ -85,7 +86,8 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
     row = {"system": system, "model": model, "budget_gb": budget_gb, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
            "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
-           "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq, "data_seed": data_seed}
+           "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq, "data_seed": data_seed,
+           "thp": transparent_huge_pages()}
     try:
         if device.type == "cuda":
             fraction = budget_fraction(budget_gb, torch.cuda.get_device_properties(device).total_memory)

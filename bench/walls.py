@@ -1,19 +1,21 @@
 """Per run of ours, how steady its walls were and what its steps recorded, from the suite's rows.
 
-    python -m bench.walls docs/results/2026-12-02-h200-call67/results-seed7.jsonl [FILE ...] [--last N]
+    python -m bench.walls docs/results/2026-12-02-h200-call67/results-seed7.jsonl [FILE ...] [--last N] [--distinct]
         [--references docs/benchmarks/results.jsonl]
 
 Columns: how many iterations' loss read waited and the walls' standard deviation; the medians over the last
 ``STEPS`` steps' own records (``history``: the update's seconds, until every param write had run, how long
 the next forward waited for them, and the rest of the iteration the planner learnt, which sizes the fills
-during backward); the median of the timed walls' backward; the loss's largest gap to the reference run of the same model and
-batch (``report.loss_gap``), found among the rows read and those of ``--references``.
+during backward); the median of the timed walls' backward; the CPU path's rate inside the update
+(``cpu_path_rate``; with it each model's correlation of that rate with the iteration, over the runs shown);
+the loss's largest gap to the reference run of the same model and batch (``report.loss_gap``), found among
+the rows read and those of ``--references``.
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
 That read is a copy to the host, and a direction of the link runs one copy at a time in the order enqueued:
 when the update's flushes were enqueued first, the read waits for them (a wall 0.1 s long, then a short one,
 as the next forward finds the update done). ``--last N`` reads only each file's last N rows (a call's
-results file holds the rows of the calls before it).
+results file holds the rows of the calls before it); ``--distinct`` shows each run once over many files.
 """
 
 from __future__ import annotations
@@ -49,6 +51,22 @@ def step_records(row: dict) -> dict[str, float | None]:
     return out
 
 
+def cpu_path_rate(row: dict) -> float | None:
+    """G elements/s of the CPU path's AdamW inside the update (not what ran ahead during backward): the median
+    over the last STEPS steps of the elements it updated there over its seconds (``cpu_adam_s``). The elements
+    are counted as subgroups (those neither staged, resident nor run ahead) times the mean subgroup, as the
+    rows keep no sizes: the subgroups are equal but the last."""
+    count, params = row.get("subgroups"), row.get("params")
+    rates = []
+    for step in row.get("history", [])[-STEPS:]:
+        if not count or not params or not step.get("cpu_adam_s") or step.get("staged") is None:
+            continue
+        on_cpu = count - step["staged"] - (row.get("resident_subgroups") or 0) - (step.get("speculated") or 0)
+        if on_cpu > 0:
+            rates.append(on_cpu * params / count / step["cpu_adam_s"] / 1e9)
+    return statistics.median(rates) if rates else None
+
+
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -61,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--last", type=int, default=None, help="only each file's last N rows")
+    parser.add_argument("--distinct", action="store_true",
+                        help="skip a run already shown (a call's results file holds the rows of the calls before it)")
     parser.add_argument("--references", nargs="*", type=Path, default=[],
                         help="more files to find the reference runs in (their latest run per model and batch)")
     args = parser.parse_args(argv)
@@ -74,17 +94,30 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
-          "| forward wait s | rest learnt s | backward s | loss vs reference |\n" + "|---" * 11 + "|")
+          "| forward wait s | rest learnt s | backward s | CPU path G el/s | loss vs reference |\n" + "|---" * 12 + "|")
+    seen, by_model = set(), {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
             continue
-        s, r = steadiness(row), step_records(row)
+        key = (row["system"], *_batch(row), tuple(row["iter_walls_s"]))
+        if args.distinct and key in seen:
+            continue
+        seen.add(key)
+        s, r, cpu = steadiness(row), step_records(row), cpu_path_rate(row)
         ref = references.get((reference_of(row["system"]), *_batch(row)))
         gap = "-" if ref is None else f"{loss_gap(row, ref):.2%}"
         backward = statistics.median(split["backward"] for split in row["walls_split_s"])
         print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | {s['waited']} of "
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
-              f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | {gap} |")
+              f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | "
+              f"{'-' if cpu is None else f'{cpu:.2f}'} | {gap} |")
+        if cpu is not None:
+            by_model.setdefault(row["model"], []).append((cpu, row["iter_s"]))
+    for model, pairs in by_model.items():
+        if len(pairs) >= 3 and len({c for c, _ in pairs}) > 1 and len({t for _, t in pairs}) > 1:
+            r_value = statistics.correlation([c for c, _ in pairs], [t for _, t in pairs])
+            print(f"\n{model}: the CPU path's rate in the update against the iteration, r = {r_value:.2f} over "
+                  f"{len(pairs)} runs")
     return 0
 
 

@@ -299,19 +299,22 @@ def test_report_gives_a_system_run_in_rounds_the_median_of_its_rounds(tmp_path):
 
 def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, capsys):
     """A loss read of 0.1 s (queued behind flushes) counts, one of 0.2 ms does not; the step records are the
-    medians of the last steps'; the loss gap is to the reference of the same batch, also from --references;
-    --last reads only the file's last rows; the peers are left out."""
+    medians of the last steps'; the CPU path's rate counts the subgroups neither staged nor run ahead; the
+    loss gap is to the reference of the same batch, also from --references; --last reads only the file's
+    last rows, --distinct shows a run once; the peers are left out."""
     def split(read: float) -> dict:
         return {"forward": 0.2, "backward": 0.1, "step": 0.02, "loss_read": read}
 
     steady = _row("ours_a", iter_walls_s=[0.3, 0.3, 0.3], walls_split_s=[split(0.0002)] * 3)
     history = [{"update_s": 9.0, "params_done_s": 9.0, "forward_wait_s": None, "rest_s": 0.0}] + [
-        {"update_s": u, "params_done_s": u - 0.01, "forward_wait_s": 0.1, "rest_s": u / 2}
-        for u in [0.2] * 7 + [0.3] * 5]
+        {"update_s": u, "params_done_s": u - 0.01, "forward_wait_s": 0.1, "rest_s": u / 2, "staged": 4,
+         "speculated": 1, "cpu_adam_s": 0.25} for u in [0.2] * 7 + [0.3] * 5]
     racing = _row("ours_b", iter_walls_s=[0.45, 0.2, 0.3], walls_split_s=[split(0.12), split(0.0001), split(0.011)],
-                  history=history, losses=[10.0, 9.0, 8.1])
+                  history=history, losses=[10.0, 9.0, 8.1], subgroups=10, params=1_000_000_000)
     assert walls.step_records(racing) == pytest.approx({"update_s": 0.2, "params_done_s": 0.19,
                                                         "forward_wait_s": 0.1, "rest_s": 0.1})  # the 13th left out
+    assert walls.cpu_path_rate(racing) == pytest.approx(2.0)  # 5 subgroups of 1e8 elements in 0.25 s
+    assert walls.cpu_path_rate(steady) is None
     assert walls.steadiness(steady)["waited"] == 0 and walls.steadiness(steady)["walls_sd_s"] == 0
     assert walls.steadiness(racing)["waited"] == 2 and walls.steadiness(racing)["walls_sd_s"] > 0.1
     results = tmp_path / "results.jsonl"
@@ -322,11 +325,29 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     walls.main([str(results), "--references", str(references)])
     out = capsys.readouterr().out
     assert "| ours_a | 1.000 | 0 of 3 |" in out and "gpu_adamw" not in out
-    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 1.00% |" in out  # 0.1 / 10
+    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 2.00 | 1.00% |" in out
     walls.main([str(results)])
-    assert "| 0.100 | 0.100 | - |" in capsys.readouterr().out  # no reference for its batch
+    assert "| 2.00 | - |" in capsys.readouterr().out  # no reference for its batch
     walls.main(["--last", "1", str(results)])
     assert "ours_a" not in capsys.readouterr().out
+    walls.main(["--distinct", str(results), str(results)])
+    assert capsys.readouterr().out.count("| ours_b |") == 1
+
+
+def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
+    """Over the runs of one model, the correlation of the CPU path's rate in the update with the iteration
+    (rates 2.0, 2.5 and 1.6 G elements/s, each iteration 1 - 0.2 x its rate: r = -1)."""
+    def run(seconds: float, iteration: float) -> dict:
+        step = {"staged": 0, "speculated": 0, "cpu_adam_s": seconds}
+        return _row("ours_a", iter_s=iteration, iter_walls_s=[iteration], history=[step],
+                    walls_split_s=[{"forward": 0.1, "backward": 0.1, "step": 0.01, "loss_read": 0.0}],
+                    subgroups=1, params=1_000_000_000)
+
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(run(s, t)) + "\n" for s, t in ((0.5, 0.6), (0.4, 0.5), (0.625, 0.68))))
+    walls.main([str(results)])
+    assert "1.36b: the CPU path's rate in the update against the iteration, r = -1.00 over 3 runs" in \
+        capsys.readouterr().out
 
 
 def test_report_lists_the_cells_of_the_grid_that_did_not_run():

@@ -333,3 +333,40 @@ def test_an_optimizer_whose_update_failed_is_freed_at_once_too(monkeypatch, over
         dropped = weakref.ref(opt)
         del opt
         assert dropped() is None, "the optimizer outlived its last reference"
+
+
+def _huge_kb_at(ptr: int) -> int | None:
+    """AnonHugePages (kB) of the mapping holding address ``ptr`` in this process, None if not found."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return None
+
+
+@pytest.mark.skipif(hm.transparent_huge_pages() not in ("madvise", "always"), reason="needs transparent huge pages (Linux)")
+def test_huge_pages_asked_for_come_and_change_no_value(monkeypatch):
+    """HUGE_PAGES advises the buffers before fault-in, so the kernel backs them with 2 MB pages; the
+    buffers still read as zeros (or as written) and keep their sizes."""
+    numel = 48 << 20  # 192 MB of fp32: many whole 2 MB spans
+    monkeypatch.setattr(hm, "HUGE_PAGES", True)
+    advised = []
+    real = hm.advise_huge_pages
+    monkeypatch.setattr(hm, "advise_huge_pages", lambda t: advised.append(real(t)) or advised[-1])
+    (t,) = hm.host_empty_many([HostSpec(numel, torch.float32)], pin=False)
+    assert advised == [True] and t.numel() == numel and not t.any()
+    assert (_huge_kb_at(t.data_ptr() + numel * 2) or 0) > 0  # the kernel may refuse a few, not all
+    t[:: 1 << 20] = 1.0
+    assert t.sum().item() == numel >> 20
+
+
+def test_huge_pages_are_not_asked_for_by_default(monkeypatch):
+    asked = []
+    monkeypatch.setattr(hm, "advise_huge_pages", lambda t: asked.append(t) or True)
+    hm.host_empty_many([HostSpec(1 << 20, torch.float32)], pin=False)
+    assert not asked and hm.HUGE_PAGES is False
