@@ -9,7 +9,8 @@ After ``warmup`` free-running iterations (no synchronize but the loss read, as b
 (Chrome trace, for Perfetto) and ``SYSTEM.summary.json``: each traced iteration's wall, the host seconds of
 each call, each direction of the link's busy milliseconds (copy-engine copies of any stream), and per GPU
 stream (named after our lanes) its busy milliseconds and its copies each way (GB) inside the iteration; and
-per stream and direction, how long its copies waited between being enqueued and starting (a direction of the link runs one copy at a time: a copy that waits long waited behind others).
+per stream and direction, how long its copies waited between being enqueued and starting (a direction of
+the link runs one copy at a time: a copy that waits long waited behind others).
 """
 
 from __future__ import annotations
