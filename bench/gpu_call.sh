@@ -11,6 +11,7 @@
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 #   ITERS=N: suite steps time N iterations each way (default 5)
 #   ROUNDS=N: suite steps run their systems N times, alternating; bench.rounds pairs them into rounds.log
+#   After each suite step, bench.walls prints its rows' step records (CPU path rate included) into walls.log
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -40,10 +41,14 @@ for step in "$@"; do
   case $kind in
     bench) python3 -m deep_optimizer_states bench --model "$model" ${arg:+--schedules "$arg"} \
              --out "$R/update-$model.jsonl" 2>&1 | tee -a $R/bench.log ;;
-    suite|again) python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
+    suite|again) before=$(cat $results 2>/dev/null | wc -l)
+             python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
              --iters ${ITERS:-5} --rounds ${ROUNDS:-1} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) 2>&1 \
              | tee -a $R/suite.log
+             added=$(($(cat $results 2>/dev/null | wc -l) - before))  # this step's rows: their steps' records
+             [ $added -gt 0 ] && python3 -m bench.walls --last $added $results --references $R/results.jsonl 2>&1 \
+               | tee -a $R/walls.log
              [ "${ROUNDS:-1}" -gt 1 ] && python3 -m bench.rounds $results 2>&1 | tee -a $R/rounds.log ;;
     gputest) tests=${step#gputest}; tests=${tests#:}; tests=${tests//,/ }  # a node id keeps its "::"; commas part paths
              timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
