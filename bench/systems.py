@@ -338,7 +338,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_cap075": ours("offload", stream_grads=True, overlap=True,
                                                            speculate=True, prefetch=True, bf16_cpu_path=True,
                                                            fill_cap=0.75),
-    # the host buffers advised for transparent huge pages: in calls 71-75 the CPU path's AdamW ran at 2.2-3.5 G
+    # the host buffers advised for transparent huge pages: in calls 71-75 the CPU path's AdamW ran at 2.2-3.4 G
     # elements/s in runs of the same settings, steady within each run (overlap.md); not run yet
     "ours_offload_overlap_spec_prefetch_bf16_thp": ours("offload", stream_grads=True, overlap=True,
                                                         speculate=True, prefetch=True, bf16_cpu_path=True,

@@ -39,7 +39,7 @@ PROGRESS_DELAY_S = 2.0  # and larger ones only once they have taken this long
 # True: ask Linux for transparent huge pages (madvise MADV_HUGEPAGE) on each buffer before its pages are
 # faulted in. The CPU path streams the states through 4 KB pages otherwise (THP is "madvise" on common
 # distributions). Off until measured on the GPU machine: in H200 calls 71-75 the CPU path's AdamW in the
-# update ran at 2.2-3.5 G elements/s in different runs of the same settings, steady within each run from its
+# update ran at 2.2-3.4 G elements/s in different runs of the same settings, steady within each run from its
 # first update (bench/walls.py), and the iteration followed it (docs/benchmarks/overlap.md, calls 71-75).
 HUGE_PAGES = False
 _MADV_HUGEPAGE = 14
