@@ -27,7 +27,7 @@ mkdir -p "$R"
 trap 'cp $R/*.jsonl $R/*.log "$OUT"/ 2>/dev/null' EXIT
 trap 'exit 143' TERM INT
 [ -f $R/results.jsonl ] || cp docs/benchmarks/results.jsonl $R/ 2>/dev/null || true
-# The host as this machine shows it (once per machine): the CPU path's rate moved 2.2-3.5 G elements/s between
+# The host as this machine shows it (once per machine): the CPU path's rate moved 2.1-3.4 G elements/s between
 # runs of the same settings (overlap.md, calls 71-75), so keep what might explain it: CPUs, NUMA, THP, memory.
 [ -f $R/host.log ] || { lscpu; numactl -H 2>/dev/null; grep -H . /sys/kernel/mm/transparent_hugepage/{enabled,defrag};
                        grep -E 'MemTotal|MemFree|MemAvailable|AnonHugePages|Hugepagesize' /proc/meminfo; } > $R/host.log 2>&1

@@ -349,7 +349,8 @@ def _huge_kb_at(ptr: int) -> int | None:
     return None
 
 
-@pytest.mark.skipif(hm.transparent_huge_pages() not in ("madvise", "always"), reason="needs transparent huge pages (Linux)")
+@pytest.mark.skipif(hm.transparent_huge_pages() not in ("madvise", "always"),
+                    reason="needs transparent huge pages (Linux)")
 def test_huge_pages_asked_for_come_and_change_no_value(monkeypatch):
     """HUGE_PAGES advises the buffers before fault-in, so the kernel backs them with 2 MB pages; the
     buffers still read as zeros (or as written) and keep their sizes."""
