@@ -5,6 +5,9 @@
 #
 #   bench/gpu_call.sh DEADLINE STEP...   STEP: bench:MODEL[:SCHEDULES] | suite:MODEL:BUDGETS[:SYSTEMS]
 #                                        | again:MODEL:BUDGETS:SYSTEMS (replaces their rows) | gputest[:PATH[,PATH...]]
+#                                        | calibrate[:bf16] (the rates of the fp32 CPU path, or with :bf16 of the
+#                                          bf16 one, in their own process, as a user calibrates once per machine:
+#                                          the suite's processes then find them cached)
 #                                        | kernel[:THREADS] (bench/cpu_kernel.py --dma: the CPU AdamW kernels
 #                                          beside pinned PCIe copies; THREADS default: cores - 1)
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
@@ -53,6 +56,8 @@ for step in "$@"; do
     gputest) tests=${step#gputest}; tests=${tests#:}; tests=${tests//,/ }  # a node id keeps its "::"; commas part paths
              timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
              cat $R/gpu-tests.log ;;
+    calibrate) timeout $left python3 -m deep_optimizer_states calibrate ${model:+--bf16-cpu-path} 2>&1 \
+                 | tee -a $R/calibrate.log ;;
     kernel) timeout $left python3 -m bench.cpu_kernel --threads "${model:-$(($(nproc) - 1))}" --dma 2>&1 \
               | tee -a $R/cpu-kernel.log | grep '^{' >> $R/cpu-kernel.jsonl ;;
     *) echo "unknown step $step" ;;

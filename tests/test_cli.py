@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from deep_optimizer_states.tools.cli import main
 
@@ -23,6 +24,19 @@ def test_calibrate_prints_each_rate_with_its_unit(capsys):
     out = capsys.readouterr().out
     assert "measured now" in out and "G elements/s" in out and "GB/s" in out
     assert main(["calibrate"]) == 0
+    assert "from the cache" in capsys.readouterr().out
+
+
+def test_calibrate_bf16_cpu_path_keeps_its_own_cache(capsys):
+    from deep_optimizer_states.planning.calibrate import cache_path
+
+    assert main(["calibrate"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["calibrate", "--bf16-cpu-path"]) == 0
+    out = capsys.readouterr().out
+    assert "measured now" in out and str(cache_path(torch.device("cpu"), bf16=True)) in out
+    assert str(cache_path(torch.device("cpu"))) in plain and cache_path(torch.device("cpu"), bf16=True).exists()
+    assert main(["calibrate", "--bf16-cpu-path"]) == 0
     assert "from the cache" in capsys.readouterr().out
 
 

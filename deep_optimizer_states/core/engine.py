@@ -39,7 +39,7 @@ import torch
 
 from . import cpu_adamw
 from .adam import AdamHyper, adam_update
-from .lanes import Done, Event, Lane, current_point
+from .lanes import Done, Event, Lane, current_point, indexed
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
@@ -221,7 +221,7 @@ class Engine:
     def __init__(self, device: torch.device, bf16_cpu_path: bool = False) -> None:
         """``bf16_cpu_path``: CPU-placed subgroups of bf16 params whose gradients are sent at the update take
         the bf16 kernel of ``cpu_adamw.py`` (if it builds here and matches torch's kernel; else torch's)."""
-        self.device = device
+        self.device = device = indexed(device)
         self.bf16_kernel = cpu_adamw.load() if bf16_cpu_path else None
         names = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident")
         self.lanes = {name: Lane(device) for name in names}

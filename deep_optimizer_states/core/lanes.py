@@ -23,6 +23,14 @@ class Done:
 Event = Union[torch.cuda.Event, Done, None]  # a point in a lane's work (None: nothing to wait for)
 
 
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare "cuda" is the current GPU. Worker threads set it as theirs (a new
+    thread starts on GPU 0), and ``torch.cuda.set_device`` refuses a device without an index."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class Lane:
     """One ordered queue of device work: a CUDA stream, or the program order on the CPU."""
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .lanes import Done
+from .lanes import Done, indexed
 
 if TYPE_CHECKING:
     from .lanes import Event
@@ -74,7 +74,7 @@ class UpdateInFlight:
     """At most one update running in the background; which subgroups' params it has written so far."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
+        self.device = device = indexed(device)
         initializer = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dos-update", initializer=initializer)
         self._future: Future | None = None

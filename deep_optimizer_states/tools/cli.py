@@ -190,15 +190,15 @@ def _device() -> torch.device:
 def _calibrate(args: argparse.Namespace) -> int:
     from ..planning.calibrate import cache_path, calibrated_rates, describe, load_cached
 
-    device = _device()
-    fresh = args.force or load_cached(device) is None
-    rates = calibrated_rates(device, force=args.force)
+    device, bf16 = _device(), args.bf16_cpu_path
+    fresh = args.force or load_cached(device, bf16) is None
+    rates = calibrated_rates(device, force=args.force, bf16=bf16)
     if args.json:
         print(json.dumps(rates.as_dict()))
         return 0
     print(f"{'measured now' if fresh else 'from the cache'} on {device} ({torch.get_num_threads()} CPU threads):")
     print("\n".join("  " + line for line in describe(rates)))
-    print(f"cache: {cache_path(device)}")
+    print(f"cache: {cache_path(device, bf16)}")
     return 0
 
 
@@ -419,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     calibrate = sub.add_parser("calibrate", help="measure this machine's rates for the performance model")
     calibrate.add_argument("--force", action="store_true", help="measure again even if cached")
     calibrate.add_argument("--json", action="store_true")
+    calibrate.add_argument("--bf16-cpu-path", action="store_true",
+                           help="the rates of the engine with bf16_cpu_path=True (cached in their own file)")
     plan = sub.add_parser("plan", help="the schedule, predicted update time and lower bound for a model size")
     plan.add_argument("--params", type=param_count, required=True, help="parameter count, e.g. 5.2e9")
     plan.add_argument("--gpu-memory-gb", type=positive_float, default=None,

@@ -38,3 +38,12 @@ def test_dos_train_on_two_gpus_starts_from_the_one_process_model(tmp_path):
     assert abs(a[0] - b[0]) <= 1e-3 * b[0], f"first loss: 2 ranks {a[0]}, 1 process {b[0]}"
     assert all(abs(x - y) <= 0.05 * y for x, y in zip(a, b)), (a, b)
     assert a[-1] < a[0] and b[-1] < b[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("flags", [[], ["--bf16-cpu-path"]], ids=["fp32", "bf16"])
+def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags):
+    """The engine is built on the bare "cuda" device here (H200 call 77: its CPU worker refused it)."""
+    rates = json.loads(dos("calibrate", *flags, "--json", cache=tmp_path).stdout.strip().splitlines()[-1])
+    assert rates["cpu_engine"] > 0 and rates["link_contended"] > 0, rates
+    assert list(tmp_path.glob("calibration-*.json"))
