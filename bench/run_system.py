@@ -26,10 +26,19 @@ import torch
 
 from bench.free_loop import free_running
 from bench.systems import OURS, SYSTEMS
-from deep_optimizer_states.core.host_memory import transparent_huge_pages
 from deep_optimizer_states.tools.models import PRESETS
 
 RESULT = "RESULT "
+
+
+def transparent_huge_pages() -> str | None:
+    """The kernel's THP mode ("always", "madvise" or "never"; None off Linux), kept in each row: the host
+    buffers are on 4 KB pages unless it is "always" (advising them for 2 MB pages was slower, H200 call 76)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
 
 
 def budget_fraction(budget_gb: float | None, total_bytes: int) -> float | None:

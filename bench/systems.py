@@ -18,7 +18,6 @@ from typing import Callable
 import torch
 
 import deep_optimizer_states.core.engine as engine_module
-import deep_optimizer_states.core.host_memory as host_memory_module
 import deep_optimizer_states.optimizer as optimizer_module
 import deep_optimizer_states.planning.plan as plan_module
 from deep_optimizer_states import DeepOptimizerStates
@@ -68,8 +67,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
-         flush_ahead_last: bool | None = None,
-         huge_pages: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         flush_ahead_last: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -84,8 +82,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
-    (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
-    ``huge_pages``: ``host_memory.HUGE_PAGES`` for this process (the host buffers advised for 2 MB pages)."""
+    (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
@@ -93,8 +90,6 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             plan_module.FILL_CAP = fill_cap
         if flush_ahead_last is not None:
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
-        if huge_pages is not None:
-            host_memory_module.HUGE_PAGES = huge_pages
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -181,7 +176,6 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + "CPU path's params up by the copy engine, "
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
-                       + ("host buffers on huge pages, " if host_memory_module.HUGE_PAGES else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -334,15 +328,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                               max_grad_norm=CLIP, prefetch=True, speculate=True,
                                                               bf16_cpu_path=True, fill_cap=2.0),
     # fills during backward sized by three quarters of the learnt rest: in calls 71-75 the slow 1.36B runs had
-    # learnt a longer rest and planned more fills (overlap.md, calls 71-75); not run yet
+    # learnt a longer rest and planned more fills (overlap.md, calls 71-75). Call 76: x1.08 slower than the
+    # defaults in the median of 4 rounds (faster in 1), its peak 22-25 GB against their 29-32 GB
     "ours_offload_overlap_spec_prefetch_bf16_cap075": ours("offload", stream_grads=True, overlap=True,
                                                            speculate=True, prefetch=True, bf16_cpu_path=True,
                                                            fill_cap=0.75),
-    # the host buffers advised for transparent huge pages: in calls 71-75 the CPU path's AdamW ran at 2.2-3.4 G
-    # elements/s in runs of the same settings, steady within each run (overlap.md); not run yet
-    "ours_offload_overlap_spec_prefetch_bf16_thp": ours("offload", stream_grads=True, overlap=True,
-                                                        speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                        huge_pages=True),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -15,9 +15,6 @@ buffers in parallel (``parallel_chunks``), e.g. copying the fp32 masters in.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import gc
 import logging
 import os
@@ -36,14 +33,6 @@ MAX_CHUNK_BYTES = 256 << 20  # above this, the pool balances badly and the progr
 INLINE_BYTES = 64 << 20  # below this, fault-in and copy-in run in the calling thread
 PROGRESS_MIN_BYTES = 4 * GB  # smaller allocations never show a progress bar
 PROGRESS_DELAY_S = 2.0  # and larger ones only once they have taken this long
-# True: ask Linux for transparent huge pages (madvise MADV_HUGEPAGE) on each buffer before its pages are
-# faulted in. The CPU path streams the states through 4 KB pages otherwise (THP is "madvise" on common
-# distributions). Off until measured on the GPU machine: in H200 calls 71-75 the CPU path's AdamW in the
-# update ran at 2.2-3.4 G elements/s in different runs of the same settings, steady within each run from its
-# first update (bench/walls.py), and the iteration followed it (docs/benchmarks/overlap.md, calls 71-75).
-HUGE_PAGES = False
-_MADV_HUGEPAGE = 14
-_HUGE_PAGE_BYTES = 2 << 20
 
 log = logging.getLogger(__name__)
 
@@ -225,35 +214,6 @@ def _fault_in(t: torch.Tensor, start: int, end: int, zero: bool) -> None:
         t[end - 1 : end].zero_()
 
 
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    return ctypes.CDLL(name, use_errno=True) if name else None
-
-
-def transparent_huge_pages() -> str | None:
-    """The kernel's THP mode ("always", "madvise" or "never"; None off Linux): with "madvise", only advised
-    buffers (``HUGE_PAGES``) get 2 MB pages."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        return None
-
-
-def advise_huge_pages(t: torch.Tensor) -> bool:
-    """Ask for transparent huge pages over the whole 2 MB spans of ``t``'s memory, before it is touched;
-    False where madvise refuses (no libc, a kernel without THP) or no whole 2 MB span is there. Placement
-    only: the values and what CUDA may register are unchanged. Whether pages come is the kernel's choice
-    (THP "never", or no free 2 MB blocks)."""
-    libc = _libc()
-    start = -(-t.data_ptr() // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE_PAGE_BYTES * _HUGE_PAGE_BYTES
-    if libc is None or end <= start:
-        return False
-    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
-
-
 def _register(ptr: int, nbytes: int) -> bool:
     """cudaHostRegister one range. Runs in a pool thread, so a failure's last-error state stays in that
     thread instead of surfacing later in torch's error check of some unrelated call."""
@@ -282,9 +242,6 @@ def host_empty_many(specs: Sequence[HostSpec], pin: bool, progress: str | None =
     if pin:
         torch.cuda.init()
     tensors = [torch.empty(s.numel, dtype=s.dtype) for s in specs]
-    if HUGE_PAGES:
-        for t in tensors:
-            advise_huge_pages(t)
     tasks = [((e - s) * t.element_size(), lambda i=i, s=s, e=e: _fault_in(tensors[i], s, e, specs[i].zero))
              for i, t in enumerate(tensors) for s, e in buffer_chunks(t)]
     _run(tasks, progress)
