@@ -333,4 +333,3 @@ def test_an_optimizer_whose_update_failed_is_freed_at_once_too(monkeypatch, over
         dropped = weakref.ref(opt)
         del opt
         assert dropped() is None, "the optimizer outlived its last reference"
-

@@ -242,6 +242,7 @@ def host_empty_many(specs: Sequence[HostSpec], pin: bool, progress: str | None =
     if pin:
         torch.cuda.init()
     tensors = [torch.empty(s.numel, dtype=s.dtype) for s in specs]
+
     tasks = [((e - s) * t.element_size(), lambda i=i, s=s, e=e: _fault_in(tensors[i], s, e, specs[i].zero))
              for i, t in enumerate(tensors) for s, e in buffer_chunks(t)]
     _run(tasks, progress)
