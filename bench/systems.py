@@ -350,7 +350,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                                       flush_ahead_last=False),
     # the defaults with a global norm computed every step that never clips (max_grad_norm=1e9): the unclipped
     # trajectory on the clipped code path. Clipped at 1.0 the 1.36B run came out faster than unclipped in 13 of 20
-    # same-call pairs (calls 44-84), with a shorter backward: is it the code path or the (converged) trajectory?
+    # same-call pairs (calls 44-84): is it the code path or the (converged) trajectory? Call 85: slower than the
+    # defaults in 2 of 2 rounds (0.295 / 0.318 against 0.283 / 0.305 s), so not the norm's code
     "ours_offload_overlap_normed_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True,
                                                            max_grad_norm=1e9, speculate=True, prefetch=True,
                                                            bf16_cpu_path=True),
