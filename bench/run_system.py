@@ -10,7 +10,7 @@ them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``
 (a loop whose walls alternate runs at the mean). The second matters for an update left running past
 ``step()`` (overlap), whose GPU work a synchronize outside the timers would hide. ``peak_gpu_GB`` is the
 allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone (what a plan
-learnt there holds).
+learnt there holds). ``host_load``: what the host gave the free-running loop (bench/host_load.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import traceback
 
 import torch
 
+from bench import host_load
 from bench.free_loop import free_running
 from bench.systems import OURS, SYSTEMS
 from deep_optimizer_states.tools.models import PRESETS
@@ -107,6 +108,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         trainer = SYSTEMS[system](model, device, micro_batch)
         _sync(device)
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=trainer.params, settings=trainer.settings)
+        copy_gbps = host_load.copy_bandwidth_gbps()  # before any step, so no update of ours runs beside it
         vocab = PRESETS[model][2]
         phases, losses = [], []
         ids = batch(micro_batch, seq, vocab, device, data_seed)
@@ -120,8 +122,10 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         if device.type == "cuda":  # the free-running loop's own peak, apart from the synchronised phases'
             phases_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+        before = host_load.Snapshot.take()
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
+        load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps}
         losses += more
         measured = sorted(phases[warmup:], key=sum)
         fwd, bwd, step_s = measured[len(measured) // 2]
@@ -136,7 +140,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
                    peak_gpu_GB=round(max(phases_peak, torch.cuda.max_memory_allocated(device)) / 1e9, 2)
                    if device.type == "cuda" else None,
                    free_peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-                   if device.type == "cuda" else None, **extra)
+                   if device.type == "cuda" else None, host_load=load, **extra)
     except Exception as e:  # a system that cannot run is a result too
         row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],
                    traceback=traceback.format_exc()[-2000:])

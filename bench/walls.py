@@ -8,8 +8,10 @@ Columns: how many iterations' loss read waited and the walls' standard deviation
 the next forward waited for them, and the rest of the iteration the planner learnt, which sizes the fills
 during backward); the median of the timed walls' backward; the CPU path's rate inside the update
 (``cpu_path_rate``; with it each model's correlation of that rate with the iteration, over the runs shown);
-the loss's largest gap to the reference run of the same model and batch (``report.loss_gap``), found among
-the rows read and those of ``--references``.
+what the host gave the timed loop (``bench.host_load``: the hypervisor's steal, the process's threads
+preempted per second, the host copy's GB/s measured before the first step; each correlated with the
+iteration like the rate); the loss's largest gap to the reference run of the same model and batch
+(``report.loss_gap``), found among the rows read and those of ``--references``.
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
 That read is a copy to the host, and a direction of the link runs one copy at a time in the order enqueued:
@@ -67,8 +69,22 @@ def cpu_path_rate(row: dict) -> float | None:
     return statistics.median(rates) if rates else None
 
 
+def host_of(row: dict) -> dict[str, float | None]:
+    """What the host gave the run's timed loop (``bench.host_load``; rows before 2026-12-03 have none)."""
+    load = row.get("host_load") or {}
+    return {key: load.get(key) for key in ("steal", "preempted_per_s", "copy_GBps")}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
 def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    return _num(value, 3)
 
 
 def _batch(row: dict) -> tuple:
@@ -94,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
-          "| forward wait s | rest learnt s | backward s | CPU path G el/s | loss vs reference |\n" + "|---" * 12 + "|")
+          "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
+          "| loss vs reference |\n" + "|---" * 15 + "|")
     seen, by_model = set(), {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
@@ -103,21 +120,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.distinct and key in seen:
             continue
         seen.add(key)
-        s, r, cpu = steadiness(row), step_records(row), cpu_path_rate(row)
+        s, r, cpu, host = steadiness(row), step_records(row), cpu_path_rate(row), host_of(row)
         ref = references.get((reference_of(row["system"]), *_batch(row)))
         gap = "-" if ref is None else f"{loss_gap(row, ref):.2%}"
         backward = statistics.median(split["backward"] for split in row["walls_split_s"])
         print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | {s['waited']} of "
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
               f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | "
-              f"{'-' if cpu is None else f'{cpu:.2f}'} | {gap} |")
-        if cpu is not None:
-            by_model.setdefault(row["model"], []).append((cpu, row["iter_s"]))
-    for model, pairs in by_model.items():
+              f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
+              f"{_num(host['copy_GBps'], 1)} | {gap} |")
+        for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),
+                            ("the host copy's GB/s", host["copy_GBps"])):
+            if value is not None:
+                by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))
+    for (model, name), pairs in by_model.items():
         if len(pairs) >= 3 and len({c for c, _ in pairs}) > 1 and len({t for _, t in pairs}) > 1:
             r_value = statistics.correlation([c for c, _ in pairs], [t for _, t in pairs])
-            print(f"\n{model}: the CPU path's rate in the update against the iteration, r = {r_value:.2f} over "
-                  f"{len(pairs)} runs")
+            print(f"\n{model}: {name} against the iteration, r = {r_value:.2f} over {len(pairs)} runs")
     return 0
 
 

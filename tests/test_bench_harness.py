@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import dist_estimate, report, rounds, run_system, suite, walls
+from bench import dist_estimate, host_load, report, rounds, run_system, suite, walls
 from bench.free_loop import PARTS
 from bench.systems import CLIP, REFERENCE
 from tests.harness import needs_compiler
@@ -142,6 +142,32 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     assert abs(row["iter_mean_s"] - sum(row["iter_walls_s"]) / 2) < 1e-3
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
+    # what the host gave the timed loop (Linux: /proc)
+    load = row["host_load"]
+    assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "steal"] and load["copy_GBps"] > 0
+    assert 0 <= load["steal"] <= 1 and 0 <= load["busy"] <= 1 and load["preempted_per_s"] >= 0
+
+
+def test_host_load_reads_the_steal_and_busy_shares_and_the_preemptions_between_two_snapshots():
+    """/proc/stat's cpu line as named counters (an old kernel's shorter line padded with 0), a thread's
+    involuntary switches, and between two snapshots: steal 50 of 400 jiffies, busy (user, nice, system,
+    irq, softirq) 200 of 400, 30 switches in 2 s; an unreadable counter gives None, not a wrong share."""
+    stat = "cpu  100 0 50 200 10 5 5 30 0 0\ncpu0 50 0 25 100 5 2 3 15 0 0\nintr 1\n"
+    assert host_load.parse_cpu_line(stat) == {"user": 100, "nice": 0, "system": 50, "idle": 200, "iowait": 10,
+                                              "irq": 5, "softirq": 5, "steal": 30}
+    assert host_load.parse_cpu_line("cpu 1 2 3 4\n")["steal"] == 0 and host_load.parse_cpu_line("intr 1") is None
+    assert host_load.parse_nonvoluntary("Name:\tpython\nvoluntary_ctxt_switches:\t9\n"
+                                        "nonvoluntary_ctxt_switches:\t42\n") == 42
+    before = host_load.Snapshot({"user": 0, "nice": 0, "system": 0, "idle": 0, "iowait": 0, "irq": 0,
+                                 "softirq": 0, "steal": 0}, 10, at=1.0)
+    after = host_load.Snapshot({"user": 150, "nice": 10, "system": 30, "idle": 140, "iowait": 10, "irq": 5,
+                                "softirq": 5, "steal": 50}, 40, at=3.0)
+    assert host_load.between(before, after) == {"steal": 0.125, "busy": 0.5, "preempted_per_s": 15.0}
+    assert host_load.between(host_load.Snapshot(None, None, 1.0), after) == \
+        {"steal": None, "busy": None, "preempted_per_s": None}
+    # on this machine: real counters, shares within [0, 1]
+    live = host_load.between(host_load.Snapshot.take(), host_load.Snapshot.take())
+    assert all(v is None or v >= 0 for v in live.values())
 
 
 def test_a_clipped_run_of_ours_records_each_steps_norm_and_the_steps_the_clip_scaled():
@@ -325,7 +351,7 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     walls.main([str(results), "--references", str(references)])
     out = capsys.readouterr().out
     assert "| ours_a | 1.000 | 0 of 3 |" in out and "gpu_adamw" not in out
-    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 2.00 | 1.00% |" in out
+    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 2.00 | - | - | - | 1.00% |" in out
     walls.main([str(results)])
     assert "| 2.00 | - |" in capsys.readouterr().out  # no reference for its batch
     walls.main(["--last", "1", str(results)])
@@ -348,6 +374,26 @@ def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
     walls.main([str(results)])
     assert "1.36b: the CPU path's rate in the update against the iteration, r = -1.00 over 3 runs" in \
         capsys.readouterr().out
+
+
+def test_walls_show_what_the_host_gave_each_run_and_relate_it_to_the_iteration(tmp_path, capsys):
+    """Rows with ``host_load`` show its steal, preemptions and copy rate, and each is correlated with the
+    iteration over the runs of a model (steal 1%, 5%, 9% for 0.30, 0.32, 0.34 s: r = 1); a row without it
+    shows dashes and is left out of those correlations."""
+    def run(steal: float | None, iteration: float) -> dict:
+        extra = {} if steal is None else {"host_load": {"steal": steal, "busy": 0.9, "preempted_per_s": 120.4,
+                                                        "copy_GBps": 40.0 - 100 * steal}}
+        return _row("ours_a", iter_s=iteration, iter_walls_s=[iteration],
+                    walls_split_s=[{"forward": 0.1, "backward": 0.1, "step": 0.01, "loss_read": 0.0}], **extra)
+
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(run(s, t)) + "\n"
+                               for s, t in ((0.01, 0.30), (0.05, 0.32), (0.09, 0.34), (None, 0.5))))
+    walls.main([str(results)])
+    out = capsys.readouterr().out
+    assert "| 5.0% | 120 | 35.0 |" in out and "| - | - | - | - |" in out
+    assert "1.36b: the host's steal against the iteration, r = 1.00 over 3 runs" in out
+    assert "1.36b: the host copy's GB/s against the iteration, r = -1.00 over 3 runs" in out
 
 
 def test_report_lists_the_cells_of_the_grid_that_did_not_run():
