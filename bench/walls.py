@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
               f"{_num(host['copy_GBps'], 1)} | {gap} |")
         for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),
+                            ("the threads preempted per s", host["preempted_per_s"]),
                             ("the host copy's GB/s", host["copy_GBps"])):
             if value is not None:
                 by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))

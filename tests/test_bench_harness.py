@@ -378,10 +378,12 @@ def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
 
 def test_walls_show_what_the_host_gave_each_run_and_relate_it_to_the_iteration(tmp_path, capsys):
     """Rows with ``host_load`` show its steal, preemptions and copy rate, and each is correlated with the
-    iteration over the runs of a model (steal 1%, 5%, 9% for 0.30, 0.32, 0.34 s: r = 1); a row without it
+    iteration over the runs of a model (steal 1%, 5%, 9% and 104, 120, 136 preemptions per s for 0.30, 0.32,
+    0.34 s: r = 1); a row without it
     shows dashes and is left out of those correlations."""
     def run(steal: float | None, iteration: float) -> dict:
-        extra = {} if steal is None else {"host_load": {"steal": steal, "busy": 0.9, "preempted_per_s": 120.4,
+        extra = {} if steal is None else {"host_load": {"steal": steal, "busy": 0.9,
+                                                        "preempted_per_s": 100.4 + 400 * steal,
                                                         "copy_GBps": 40.0 - 100 * steal}}
         return _row("ours_a", iter_s=iteration, iter_walls_s=[iteration],
                     walls_split_s=[{"forward": 0.1, "backward": 0.1, "step": 0.01, "loss_read": 0.0}], **extra)
@@ -394,6 +396,7 @@ def test_walls_show_what_the_host_gave_each_run_and_relate_it_to_the_iteration(t
     assert "| 5.0% | 120 | 35.0 |" in out and "| - | - | - | - |" in out
     assert "1.36b: the host's steal against the iteration, r = 1.00 over 3 runs" in out
     assert "1.36b: the host copy's GB/s against the iteration, r = -1.00 over 3 runs" in out
+    assert "1.36b: the threads preempted per s against the iteration, r = 1.00 over 3 runs" in out
 
 
 def test_report_lists_the_cells_of_the_grid_that_did_not_run():
