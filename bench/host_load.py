@@ -8,8 +8,9 @@ candidates can be read from inside the VM, so each run records them (``row["host
   (``/proc/stat``'s steal column): neighbours on the same physical cores.
 - ``busy``: the share the VM spent working (user, system, interrupts), and the process's involuntary
   context switches per second (``/proc/self/task/*/status``): threads preempted, by ours or by others.
-- ``copy_GBps``: host memory bandwidth measured in the process just before the loop (a 256 MB copy, read
-  plus write, best of three): neighbours' memory traffic, or a slow placement of this process's memory.
+- ``copy_GBps``: host memory bandwidth measured in the process after setup and before the first step (a
+  256 MB copy, read plus write, best of three): neighbours' memory traffic, or a slow placement of this
+  process's memory.
 
 Off Linux, or where a file cannot be read, a field is None.
 """

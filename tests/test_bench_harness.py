@@ -168,6 +168,7 @@ def test_host_load_reads_the_steal_and_busy_shares_and_the_preemptions_between_t
     # on this machine: real counters, shares within [0, 1]
     live = host_load.between(host_load.Snapshot.take(), host_load.Snapshot.take())
     assert all(v is None or v >= 0 for v in live.values())
+    assert all(live[k] is None or live[k] <= 1 for k in ("steal", "busy"))
 
 
 def test_a_clipped_run_of_ours_records_each_steps_norm_and_the_steps_the_clip_scaled():
@@ -379,8 +380,7 @@ def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
 def test_walls_show_what_the_host_gave_each_run_and_relate_it_to_the_iteration(tmp_path, capsys):
     """Rows with ``host_load`` show its steal, preemptions and copy rate, and each is correlated with the
     iteration over the runs of a model (steal 1%, 5%, 9% and 104, 120, 136 preemptions per s for 0.30, 0.32,
-    0.34 s: r = 1); a row without it
-    shows dashes and is left out of those correlations."""
+    0.34 s: r = 1); a row without it shows dashes and is left out of those correlations."""
     def run(steal: float | None, iteration: float) -> dict:
         extra = {} if steal is None else {"host_load": {"steal": steal, "busy": 0.9,
                                                         "preempted_per_s": 100.4 + 400 * steal,
