@@ -10,7 +10,8 @@ the H200 the engine's bf16 kernel ran at 1.3x torch's time per element there and
 
 torch's kernel reads fp32 gradients (28 B per element through host memory: p, g, m, v read, p, m, v
 written); ours reads bf16 ones (26 B), and with a clip multiplier and the rounded bf16 params written
-(28 B) does in one pass what the engine otherwise does in two more (a multiply over the fp32 gradients on
+(28 B, the params with streaming stores; ``..._plain_stores`` is the same built with plain ones, whose
+lines are read before they are written: 30 B) does in one pass what the engine otherwise does in two more (a multiply over the fp32 gradients on
 the host, the rounding on the GPU after 4 more bytes up). Both are checked equal, bit for bit, first.
 An update run ahead (``speculate``) also keeps the states before aside: ``run_ahead_copy_then_update``
 copies them in a pass of its own first, ``run_ahead_saved_in_the_kernel`` in the kernel's pass.
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     if kernel is None:
         print(json.dumps({"status": "kernel not available (see the warning)"}))
         return 1
+    plain = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_PLAIN_STORES"]), kernel.variant)  # the params' old stores
     n, h = args.numel, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
     p, m, v = torch.randn(n), torch.zeros(n), torch.rand(n) * 1e-6
     g32 = torch.randn(n) * 1e-3
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
            "torch_fp32_grads_with_clip_multiply": lambda: (g32.mul_(clip), adam_update(p, g32, m, v, 5, h)),
            "ours_bf16_grads": lambda: kernel(p, g16, m, v, 5, h),
            "ours_bf16_grads_clip_bf16_params": lambda: kernel(p, g16, m, v, 5, h, (0.5,), out),
+           "ours_bf16_grads_clip_bf16_params_plain_stores": lambda: plain(p, g16, m, v, 5, h, (0.5,), out),
            "run_ahead_copy_then_update": copy_then_update,
            "run_ahead_saved_in_the_kernel": lambda: kernel(p, g16, m, v, 5, h, (), out, spare)}
     for threads in (int(t) for t in args.threads.split(",")):

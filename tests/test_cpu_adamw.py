@@ -10,7 +10,6 @@ from deep_optimizer_states.core.adam import AdamHyper, adam_update
 from tests.harness import needs_compiler
 
 
-
 @pytest.fixture(scope="module")
 def kernel():
     with warnings.catch_warnings():
@@ -75,6 +74,29 @@ def test_the_states_before_are_saved_in_the_same_pass_and_the_update_is_unchange
         assert saved[n:].isnan().all()  # nothing past the span
         assert torch.equal(a.view(torch.int32), t.view(torch.int32)) and not torch.equal(a, b)
     assert torch.equal(out.view(torch.int16), out_twin.view(torch.int16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("offset", range(8))
+def test_the_rounded_params_land_whatever_their_alignment(kernel, offset):
+    """``out`` (written with streaming stores from its first 16-byte aligned element) starts at each of the 8
+    bf16 offsets within 16 bytes, as a subgroup's params half of grad32 may: every element is the rounded
+    param, and nothing beside ``out`` is written."""
+    n = 512 * 5 + 16 * 3 + 5  # whole blocks, a part block and the scalar tail
+    gen = torch.Generator().manual_seed(100 + offset)
+    p, m, v = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen) * 1e-5
+    g = (torch.randn(n, generator=gen) * 1e-2).bfloat16()
+    h = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
+    guard = torch.tensor(-7.0).bfloat16().view(torch.int16)
+    wide = torch.empty(n + 16, dtype=torch.bfloat16)
+    wide.view(torch.int16).fill_(guard)
+    out = wide[offset : offset + n]
+    want = p.clone()
+    adam_update(want, g.float(), m.clone(), v.clone(), 2, h)
+    kernel(p, g, m, v, 2, h, (), out)
+    assert torch.equal(out.view(torch.int16), want.bfloat16().view(torch.int16))
+    rest = torch.cat([wide[:offset], wide[offset + n :]]).view(torch.int16)
+    assert (rest == guard).all()
 
 
 @pytest.fixture
