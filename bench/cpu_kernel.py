@@ -10,9 +10,10 @@ the H200 the engine's bf16 kernel ran at 1.3x torch's time per element there and
 
 torch's kernel reads fp32 gradients (28 B per element through host memory: p, g, m, v read, p, m, v
 written); ours reads bf16 ones (26 B), and with a clip multiplier and the rounded bf16 params written
-(28 B, the params with streaming stores; ``..._plain_stores`` is the same built with plain ones, whose
-lines are read before they are written: 30 B) does in one pass what the engine otherwise does in two more (a multiply over the fp32 gradients on
-the host, the rounding on the GPU after 4 more bytes up). Both are checked equal, bit for bit, first.
+(28 B: the params with streaming stores; ``..._plain_stores`` is the same built with plain ones, whose
+lines are read before they are written, 30 B) does in one pass what the engine otherwise does in two more
+(a multiply over the fp32 gradients on the host, the rounding on the GPU after 4 more bytes up). Both are
+checked equal, bit for bit, first.
 An update run ahead (``speculate``) also keeps the states before aside: ``run_ahead_copy_then_update``
 copies them in a pass of its own first, ``run_ahead_saved_in_the_kernel`` in the kernel's pass.
 """

@@ -27,6 +27,7 @@ import functools
 import hashlib
 import logging
 import platform
+import types
 import warnings
 from typing import Sequence
 
@@ -294,7 +295,7 @@ def _cpu_tag() -> str:
     return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
 
 
-def build(defines: Sequence[str] = ()):
+def build(defines: Sequence[str] = ()) -> types.ModuleType:
     """The extension module compiled for this CPU with the macros ``defines`` (torch caches each build by name)."""
     from torch.utils.cpp_extension import load_inline
 
