@@ -21,6 +21,7 @@ import deep_optimizer_states.core.engine as engine_module
 import deep_optimizer_states.optimizer as optimizer_module
 import deep_optimizer_states.planning.plan as plan_module
 from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states.core import cpu_adamw
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import Placement, spread
 from deep_optimizer_states.tools.models import llama, materialize
@@ -67,7 +68,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
-         flush_ahead_last: bool | None = None) -> Callable[[str, torch.device, int], Trainer]:
+         flush_ahead_last: bool | None = None,
+         plain_stores: bool = False) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -82,7 +84,9 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
-    (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67)."""
+    (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
+    ``plain_stores``: the bf16 kernel built with plain stores for the rounded params (``-DDOS_PLAIN_STORES``,
+    the kernel before H200 call 95), in the same form (variant) as the library's."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
@@ -101,6 +105,9 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                                   **({} if subgroup_size is None else {"subgroup_size": subgroup_size}))
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
+        if plain_stores and opt.engine.bf16_kernel is not None:
+            opt.engine.bf16_kernel = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_PLAIN_STORES"]),
+                                                            opt.engine.bf16_kernel.variant)
         if staged_share is not None:
             count = len(opt.layout.subgroups)
             opt.schedule = tuple(spread(count, round(staged_share * count)))
@@ -176,6 +183,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + "CPU path's params up by the copy engine, "
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
+                       + ("the bf16 kernel's params by plain stores, " if plain_stores else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -333,6 +341,16 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_cap075": ours("offload", stream_grads=True, overlap=True,
                                                            speculate=True, prefetch=True, bf16_cpu_path=True,
                                                            fill_cap=0.75),
+    # the defaults with the bf16 kernel's rounded params written by plain stores (the kernel before H200 call 95,
+    # whose streaming stores made the kernel x1.08 faster beside the PCIe copies): what the change gives the
+    # iteration, in rounds on one machine (calls 95-99 could not separate it from a faster host)
+    "ours_offload_overlap_spec_prefetch_bf16_plainstores": ours("offload", stream_grads=True, overlap=True,
+                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                                plain_stores=True),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_plainstores": ours("offload", stream_grads=True, overlap=True,
+                                                                     max_grad_norm=CLIP, prefetch=True,
+                                                                     speculate=True, bf16_cpu_path=True,
+                                                                     plain_stores=True),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -9,6 +9,7 @@ import torch
 from bench import dist_estimate, host_load, report, rounds, run_system, suite, walls
 from bench.free_loop import PARTS
 from bench.systems import CLIP, REFERENCE
+from deep_optimizer_states.core import cpu_adamw
 from tests.harness import needs_compiler
 
 
@@ -476,10 +477,26 @@ def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cann
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["equal_bit_for_bit"] and row["threads"] == 1
     assert all(row[f"{name}_G_per_s"] > 0 for name in ("torch_fp32_grads", "ours_bf16_grads",
-                                                        "ours_bf16_grads_clip_bf16_params"))
+                                                        "ours_bf16_grads_clip_bf16_params",
+                                                        "ours_bf16_grads_clip_bf16_params_plain_stores"))
     if not torch.cuda.is_available():
         assert cpu_kernel.main(["--numel", "4096", "--dma"]) == 1
         assert "needs a GPU" in capsys.readouterr().out
+
+
+@needs_compiler
+def test_the_plain_stores_variant_of_ours_runs_the_kernel_built_with_them_in_the_librarys_form():
+    """The A/B system for the kernel's streaming stores: same kernel form, the other build; it trains."""
+    from bench.systems import SYSTEMS
+
+    trainer = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_plainstores"]("tiny", torch.device("cpu"), 1)
+    engine = trainer.optimizer.engine
+    assert engine.bf16_kernel is not None and engine.bf16_kernel.variant == cpu_adamw.load().variant
+    assert "dos_plain_stores" in engine.bf16_kernel._module.__name__
+    row = run_system.run("ours_offload_overlap_spec_prefetch_bf16_plainstores", "tiny", None, iters=2, warmup=1,
+                         micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+    assert row["losses"][-1] < row["losses"][0]
 
 
 def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
