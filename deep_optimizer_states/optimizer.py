@@ -26,7 +26,7 @@ from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .core.slots import SLOT_BYTES_PER_ELEMENT
-from .core.ranks import RankSync, cpu_threads_per_rank, local_ranks, shard_group
+from .core.ranks import RankSync, local_ranks, shard_group, use_cpu_threads
 from .core.schedule import Placement, Schedule
 from .core.speculate import LAUNCH_SHARE, Speculation
 from .options import check_options
@@ -157,9 +157,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 raise ValueError(f"the schedule gives {len(schedule)} placements for {count} subgroups"
                                  f"{' here, but not on another rank' if len(schedule) == count else ''}: give one per "
                                  "subgroup of this rank (len(opt.layout.subgroups))")
-        threads = cpu_threads_per_rank(cpu_threads, gpu=self.device.type == "cuda")
-        if threads is not None and threads != torch.get_num_threads():
-            torch.set_num_threads(threads)
+        use_cpu_threads(cpu_threads, self.device)
         self.layout = Layout(trainable, subgroup_size, self.device, local_ranks(),
                              None if self.group is None else functools.partial(torch.distributed.barrier,
                                                                                group=self.group))

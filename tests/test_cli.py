@@ -40,6 +40,52 @@ def test_calibrate_bf16_cpu_path_keeps_its_own_cache(capsys):
     assert "from the cache" in capsys.readouterr().out
 
 
+@pytest.fixture
+def threads():
+    """torch's thread count, put back after the test (the commands set it as the optimizer would)."""
+    before = torch.get_num_threads()
+    yield before
+    torch.set_num_threads(before)
+
+
+def test_calibrate_caches_what_an_optimizer_on_those_threads_finds(capsys, threads):
+    from deep_optimizer_states import DeepOptimizerStates
+    from deep_optimizer_states.planning.calibrate import cache_path, load_cached
+
+    assert main(["calibrate", "--cpu-threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "(1 CPU threads)" in out
+    written = out.strip().splitlines()[-1].removeprefix("cache: ")
+    torch.set_num_threads(threads)  # as a new process starts
+    opt = DeepOptimizerStates(torch.nn.Linear(8, 8).parameters(), cpu_threads=1)
+    assert str(cache_path(opt.device)) == written and load_cached(opt.device) is not None
+
+
+def test_calibrate_on_a_gpu_host_measures_on_the_optimizers_default_threads(monkeypatch, capsys, threads):
+    """With a GPU the optimizer leaves one core to the GPU's thread; ``dos calibrate`` measured on every core,
+    and cached the rates under that count, where the optimizer never looked (it calibrated again)."""
+    from deep_optimizer_states.core import ranks
+    from deep_optimizer_states.planning import calibrate
+    from deep_optimizer_states.tools import cli
+
+    monkeypatch.setattr(ranks, "host_cores", lambda: 4)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(cli, "_device", lambda: torch.device("cuda"))  # measuring itself is a GPU test's job
+    seen = []
+    rates = calibrate.Rates(**dict.fromkeys(calibrate.Rates.__dataclass_fields__, 1e9))
+    monkeypatch.setattr(calibrate, "load_cached", lambda device, bf16=False: seen.append(torch.get_num_threads()))
+    monkeypatch.setattr(calibrate, "calibrated_rates", lambda device, **kw: seen.append(torch.get_num_threads())
+                        or rates)
+    monkeypatch.setattr(calibrate, "cache_path", lambda device, bf16=False: f"threads-{torch.get_num_threads()}")
+    torch.set_num_threads(4)  # torch's default: one thread per core
+    assert main(["calibrate"]) == 0
+    assert seen == [3, 3] and "cache: threads-3" in capsys.readouterr().out
+    torch.set_num_threads(4)
+    assert ranks.use_cpu_threads(None, torch.device("cuda")) == 3  # what the optimizer then runs on
+    torch.set_num_threads(4)
+    assert main(["calibrate", "--cpu-threads", "2"]) == 0 and seen[-1] == 2
+
+
 def test_plan_json_is_consistent(capsys, monkeypatch):
     monkeypatch.setenv("DOS_HOST_MEMORY_GB", "1000")
     assert main(["plan", "--params", "2e8", "--json"]) == 0

@@ -72,6 +72,18 @@ def cpu_threads_per_rank(requested: int | None, gpu: bool = False) -> int | None
     return max(1, host_cores() // n - spare)
 
 
+def use_cpu_threads(requested: int | None, device: torch.device) -> int:
+    """Set torch's CPU threads to those this rank's CPU path runs on beside ``device``
+    (``cpu_threads_per_rank``) and return the count. The optimizer and ``dos calibrate`` / ``dos plan`` call
+    it alike: the rates are cached under a fingerprint that holds the thread count, so a calibration
+    measured on other threads than the optimizer's is one it never finds (until 2026-12-03 ``dos calibrate``
+    measured on all 16 cores of an H200 host, the optimizer ran 15 and calibrated again at its first step)."""
+    threads = cpu_threads_per_rank(requested, gpu=device.type == "cuda")
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
 def all_reduce_sum_(t: torch.Tensor, group: "dist.ProcessGroup | None") -> torch.Tensor:
     """Sum ``t`` over the group in place (a no-op without one)."""
     if group is not None:

@@ -20,6 +20,7 @@ from ..core.adam import AdamHyper, adam_update
 from ..core.engine import UpdateStats
 from ..core.host_memory import available_host_bytes
 from ..core.layout import HOST_BYTES_PER_ELEMENT
+from ..core.ranks import use_cpu_threads
 from ..core.schedule import Placement, Schedule
 from ..optimizer import DeepOptimizerStates
 from ..planning.calibrate import calibrated_rates
@@ -135,7 +136,9 @@ def update_phase(preset: str | None = "1.36b",
 
 
 def _setup(preset: str, subgroup_size: int | None, dev: torch.device) -> tuple[DeepOptimizerStates, dict]:
-    """Calibrate, build the model and the optimizer (timed), and run one real backward."""
+    """Calibrate (on the threads the optimizer will run), build the model and the optimizer (timed), and run
+    one real backward."""
+    use_cpu_threads(None, dev)
     t0 = time.perf_counter()
     rates = calibrated_rates(dev, force=True, log=print)
     calibrate_s = time.perf_counter() - t0

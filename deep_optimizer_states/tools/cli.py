@@ -15,6 +15,8 @@ import torch
 GB = 1e9
 SMALLEST_SUBGROUP = 64  # elements: the default subgroup size never goes below this
 GPU_BYTES_PER_PARAM = 4  # the model's bf16 params and grads stay on the GPU
+CPU_THREADS_HELP = ("the CPU threads to measure for, as the optimizer's cpu_threads (default: as the optimizer's "
+                    "default, one core left to the GPU's thread); the rates are cached per thread count")
 
 
 def _schedule(text: str) -> str | int:
@@ -188,9 +190,11 @@ def _device() -> torch.device:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from ..core.ranks import use_cpu_threads
     from ..planning.calibrate import cache_path, calibrated_rates, describe, load_cached
 
     device, bf16 = _device(), args.bf16_cpu_path
+    use_cpu_threads(args.cpu_threads, device)  # the optimizer's threads: measured, and cached, for those
     fresh = args.force or load_cached(device, bf16) is None
     rates = calibrated_rates(device, force=args.force, bf16=bf16)
     if args.json:
@@ -238,12 +242,14 @@ def _plan(args: argparse.Namespace) -> int:
     """Print the schedule the model chooses for a model of ``--params`` parameters, and the bound; without a
     GPU, the CPU path's time. Exit status 1 when the model does not fit this machine's memory."""
     from ..core.engine import DEFAULT_STAGING_SLOTS
+    from ..core.ranks import use_cpu_threads
     from ..core.schedule import placements
     from ..planning.calibrate import calibrated_rates
     from ..planning.perfmodel import choose, lower_bound, predict
     from ..planning.plan import SCRATCH_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
 
     device = _device()
+    use_cpu_threads(args.cpu_threads, device)
     cuda = device.type == "cuda"
     params = args.params
     budget, problems = _budgets(params, device, args.gpu_memory_gb)
@@ -421,11 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     calibrate.add_argument("--json", action="store_true")
     calibrate.add_argument("--bf16-cpu-path", action="store_true",
                            help="the rates of the engine with bf16_cpu_path=True (cached in their own file)")
+    calibrate.add_argument("--cpu-threads", type=positive_int, default=None, help=CPU_THREADS_HELP)
     plan = sub.add_parser("plan", help="the schedule, predicted update time and lower bound for a model size")
     plan.add_argument("--params", type=param_count, required=True, help="parameter count, e.g. 5.2e9")
     plan.add_argument("--gpu-memory-gb", type=positive_float, default=None,
                       help="GPU memory budget (default: the whole GPU)")
     plan.add_argument("--subgroup-size", type=positive_int, default=None, help="elements (default: the best of a few)")
+    plan.add_argument("--cpu-threads", type=positive_int, default=None, help=CPU_THREADS_HELP)
     plan.add_argument("--json", action="store_true")
     profile = sub.add_parser("profile", help="a few iterations, then a timeline of the last one (PNG and Chrome trace)")
     profile.add_argument("--model", default=None, help="tiny | 0.5b | 1.36b | 5.2b (default: 1.36b on a GPU, else tiny)")

@@ -42,8 +42,21 @@ def test_dos_train_on_two_gpus_starts_from_the_one_process_model(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("flags", [[], ["--bf16-cpu-path"]], ids=["fp32", "bf16"])
-def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags):
-    """The engine is built on the bare "cuda" device here (H200 call 77: its CPU worker refused it)."""
+def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags, monkeypatch):
+    """The engine is built on the bare "cuda" device here (H200 call 77: its CPU worker refused it). An
+    optimizer built after it finds its rates (until 2026-12-03 they were measured and cached for every core,
+    the optimizer ran on one fewer and calibrated again at its first step)."""
+    from deep_optimizer_states import DeepOptimizerStates
+    from deep_optimizer_states.planning.calibrate import load_cached
+
     rates = json.loads(dos("calibrate", *flags, "--json", cache=tmp_path).stdout.strip().splitlines()[-1])
     assert rates["cpu_engine"] > 0 and rates["link_contended"] > 0, rates
     assert list(tmp_path.glob("calibration-*.json"))
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    try:
+        model = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
+        opt = DeepOptimizerStates(model.parameters(), bf16_cpu_path=bool(flags))
+        assert load_cached(opt.device, opt.planner.bf16) is not None, "the optimizer's rates are not those cached"
+    finally:
+        torch.set_num_threads(threads)
