@@ -378,6 +378,28 @@ def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
         capsys.readouterr().out
 
 
+def test_host_bytes_count_each_paths_traffic_through_host_memory(tmp_path, capsys):
+    """10 subgroups of 100 elements, 4 staged and 2 of the 6 on the CPU run ahead: 4 * 100 * 24 B by the
+    copies, 6 * 100 * 32 B by the bf16 CPU path (36 with torch's kernel), 2 * 100 * 12 B into the spares;
+    the medians of the timed steps, not the warm-up's; a row without counts is left out."""
+    from bench import host_bytes
+
+    steps = [{"staged": 9, "speculated": 0}] * 2 + [{"staged": 4, "speculated": 2}] * 12
+    row = _row("ours_a", iter_s=0.5, params=1000, subgroups=10, bf16_kernel=True, history=steps)
+    out = host_bytes.host_bytes(row)
+    assert (out["staged"], out["ahead"]) == (4, 2)
+    assert abs(out["total_GB"] * 1e9 - (9600 + 19200 + 2400)) < 1e-6
+    assert abs(out["GBps"] * 1e9 - 31200 / 0.5) < 1e-3 and abs(out["floor_s"] - 0.5 * 24000 / 31200) < 1e-12
+    fp32 = host_bytes.host_bytes({**row, "bf16_kernel": False})
+    assert abs(fp32["cpu_GB"] * 1e9 - 6 * 100 * 36) < 1e-6
+    assert host_bytes.host_bytes(_row("ours_b")) is None
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (row, _row("ours_b"), _row("torchao_offload"))))
+    host_bytes.main([str(results)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tmp") or "ours" in line]
+    assert len(lines) == 1 and "| 0.500 | 4 | 2 | 0.0 | 0.0 | 0.0 | 0.0 | 0 | 0.385 |" in lines[0]
+
+
 def test_walls_show_what_the_host_gave_each_run_and_relate_it_to_the_iteration(tmp_path, capsys):
     """Rows with ``host_load`` show its steal, preemptions and copy rate, and each is correlated with the
     iteration over the runs of a model (steal 1%, 5%, 9% and 104, 120, 136 preemptions per s for 0.30, 0.32,
