@@ -57,8 +57,8 @@ def test_calibrate_caches_what_an_optimizer_on_those_threads_finds(capsys, threa
     assert "(1 CPU threads)" in out
     written = out.strip().splitlines()[-1].removeprefix("cache: ")
     torch.set_num_threads(threads)  # as a new process starts
-    opt = DeepOptimizerStates(torch.nn.Linear(8, 8).parameters(), cpu_threads=1)
-    assert str(cache_path(opt.device)) == written and load_cached(opt.device) is not None
+    with DeepOptimizerStates(torch.nn.Linear(8, 8).parameters(), cpu_threads=1) as opt:
+        assert str(cache_path(opt.device)) == written and load_cached(opt.device) is not None
 
 
 def test_calibrate_on_a_gpu_host_measures_on_the_optimizers_default_threads(monkeypatch, capsys, threads):

@@ -56,7 +56,7 @@ def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags, monkeypatch
     threads = torch.get_num_threads()
     try:
         model = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
-        opt = DeepOptimizerStates(model.parameters(), bf16_cpu_path=bool(flags))
-        assert load_cached(opt.device, opt.planner.bf16) is not None, "the optimizer's rates are not those cached"
+        with DeepOptimizerStates(model.parameters(), bf16_cpu_path=bool(flags)) as opt:
+            assert load_cached(opt.device, opt.planner.bf16) is not None, "the optimizer's rates are not those cached"
     finally:
         torch.set_num_threads(threads)
