@@ -24,10 +24,10 @@ import json
 import statistics
 from pathlib import Path
 
+from bench.walls import STEPS
 from deep_optimizer_states.core.engine import BF16_CPU_PATH_BYTES, CPU_PATH_BYTES, STAGED_BYTES
 from deep_optimizer_states.core.speculate import SPARE_BYTES_PER_ELEMENT
 
-STEPS = 12  # the timed steps (the rows' history also holds the warm-up's)
 STATE_BYTES = 2 * STAGED_BYTES  # fp32 master, exp_avg, exp_avg_sq: read once and written once
 BF16_CPU_ELEMENT = STATE_BYTES + 4 * BF16_CPU_PATH_BYTES  # grad written, read; param written, read
 FP32_CPU_ELEMENT = STATE_BYTES + 3 * CPU_PATH_BYTES  # grad written, read; the master read by the copy up
