@@ -19,8 +19,11 @@ SMALL = ["--hidden", "64", "--layers", "1", "--seq", "32", "--micro-batch", "8",
          "--eval-batches", "2", "--sample-tokens", "16", "--no-progress"]
 
 
-def dos(*args, cache=None, check=True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
+def dos(*args, cache=None, check=True, threads: str | None = "2") -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh process, on ``threads`` OpenMP threads (None: this process's environment)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
     if cache is not None:
         env["DOS_CACHE_DIR"] = str(cache)
     run = subprocess.run([sys.executable, "-m", "deep_optimizer_states", *args], capture_output=True, text=True,

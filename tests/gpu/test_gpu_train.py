@@ -45,11 +45,14 @@ def test_dos_train_on_two_gpus_starts_from_the_one_process_model(tmp_path):
 def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags, monkeypatch):
     """The engine is built on the bare "cuda" device here (H200 call 77: its CPU worker refused it). An
     optimizer built after it finds its rates (until 2026-12-03 they were measured and cached for every core,
-    the optimizer ran on one fewer and calibrated again at its first step)."""
+    the optimizer ran on one fewer and calibrated again at its first step). The command runs on this process's
+    environment, as the optimizer does (with the CPU tests' OMP_NUM_THREADS=2 it measured 2 threads, H200
+    call 104)."""
     from deep_optimizer_states import DeepOptimizerStates
     from deep_optimizer_states.planning.calibrate import load_cached
 
-    rates = json.loads(dos("calibrate", *flags, "--json", cache=tmp_path).stdout.strip().splitlines()[-1])
+    out = dos("calibrate", *flags, "--json", cache=tmp_path, threads=None).stdout
+    rates = json.loads(out.strip().splitlines()[-1])
     assert rates["cpu_engine"] > 0 and rates["link_contended"] > 0, rates
     assert list(tmp_path.glob("calibration-*.json"))
     monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
