@@ -1,12 +1,15 @@
 """`dos train` on GPUs: the model built on the meta device and made on the GPU (each rank its own shards)."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tests.test_fsdp2 import torchrun
-from tests.test_train import dos
+from tests.test_train import ROOT, dos
 
 pytestmark = pytest.mark.gpu
 COMMON = ["train", "--hidden", "64", "--layers", "2", "--seq", "32", "--micro-batch", "4", "--data-mb", "0.2",
@@ -42,24 +45,26 @@ def test_dos_train_on_two_gpus_starts_from_the_one_process_model(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("flags", [[], ["--bf16-cpu-path"]], ids=["fp32", "bf16"])
-def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags, monkeypatch):
+def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags):
     """The engine is built on the bare "cuda" device here (H200 call 77: its CPU worker refused it). An
-    optimizer built after it finds its rates (until 2026-12-03 they were measured and cached for every core,
-    the optimizer ran on one fewer and calibrated again at its first step). The command runs on this process's
-    environment, as the optimizer does (with the CPU tests' OMP_NUM_THREADS=2 it measured 2 threads, H200
-    call 104)."""
-    from deep_optimizer_states import DeepOptimizerStates
-    from deep_optimizer_states.planning.calibrate import load_cached
-
+    optimizer built after it, in a fresh process of the same environment as a user's next run, finds its rates
+    (until 2026-12-03 they were measured and cached for every core, the optimizer ran on one fewer and
+    calibrated again at its first step). Both run in their own processes: this one's threads are whatever the
+    tests before it left (H200 call 108: the check built in this process missed the cache in the whole suite
+    and found it alone)."""
     out = dos("calibrate", *flags, "--json", cache=tmp_path, threads=None).stdout
     rates = json.loads(out.strip().splitlines()[-1])
     assert rates["cpu_engine"] > 0 and rates["link_contended"] > 0, rates
     assert list(tmp_path.glob("calibration-*.json"))
-    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path))
-    threads = torch.get_num_threads()
-    try:
-        model = torch.nn.Linear(64, 64, device="cuda", dtype=torch.bfloat16)
-        with DeepOptimizerStates(model.parameters(), bf16_cpu_path=bool(flags)) as opt:
-            assert load_cached(opt.device, opt.planner.bf16) is not None, "the optimizer's rates are not those cached"
-    finally:
-        torch.set_num_threads(threads)
+    check = ("import torch\n"
+             "from deep_optimizer_states import DeepOptimizerStates\n"
+             "from deep_optimizer_states.planning.calibrate import load_cached\n"
+             "model = torch.nn.Linear(64, 64, device='cuda', dtype=torch.bfloat16)\n"
+             f"with DeepOptimizerStates(model.parameters(), bf16_cpu_path={bool(flags)}) as opt:\n"
+             "    print(load_cached(opt.device, opt.planner.bf16) is not None, torch.get_num_threads())\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DOS_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=env, cwd=ROOT,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found, threads = run.stdout.split()
+    assert found == "True", f"the optimizer on {threads} threads did not find the rates cached: {out[-1500:]}"
