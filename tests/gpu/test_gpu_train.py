@@ -49,9 +49,9 @@ def test_dos_calibrate_on_a_gpu_measures_and_caches(tmp_path, flags):
     """The engine is built on the bare "cuda" device here (H200 call 77: its CPU worker refused it). An
     optimizer built after it, in a fresh process of the same environment as a user's next run, finds its rates
     (until 2026-12-03 they were measured and cached for every core, the optimizer ran on one fewer and
-    calibrated again at its first step). Both run in their own processes: this one's threads are whatever the
-    tests before it left (H200 call 108: the check built in this process missed the cache in the whole suite
-    and found it alone)."""
+    calibrated again at its first step). Both run in their own processes: this one holds whatever the tests
+    before it left (H200 call 108: the check built in this process missed the cache in the whole suite and
+    found it alone)."""
     out = dos("calibrate", *flags, "--json", cache=tmp_path, threads=None).stdout
     rates = json.loads(out.strip().splitlines()[-1])
     assert rates["cpu_engine"] > 0 and rates["link_contended"] > 0, rates
