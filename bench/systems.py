@@ -397,13 +397,14 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.5),
     # 26 and 30 of 55 at 1.36B: the two splits the model settled on in calls 105-108 (one machine, 0.294-0.307 s
     # against 0.301-0.334 s), fixed, to pair in rounds: does the split make the difference, or the run?
-    # 22 of 55: fewer still, where calls 110's rounds (26 faster than 29 and 30 in both) point
-    "ours_offload_overlap_spec_prefetch_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.4),
     "ours_offload_overlap_spec_prefetch_bf16_s47": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.47),
     "ours_offload_overlap_spec_prefetch_bf16_s55": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.55),
+    # 22 of 55: fewer still, where call 110's rounds pointed (26 faster than 29 and 30 in both on machine F);
+    # call 113 on machine G: the model's split faster than 22 and 26 in both rounds (overlap.md, calls 109-115)
+    "ours_offload_overlap_spec_prefetch_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,
+                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.4),
     "ours_offload_overlap_spec_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.6),
     "ours_offload_overlap_spec_prefetch_bf16_s70": ours("offload", stream_grads=True, overlap=True, speculate=True,
