@@ -55,6 +55,8 @@ for step in "$@"; do
              [ "${ROUNDS:-1}" -gt 1 ] && python3 -m bench.rounds $results 2>&1 | tee -a $R/rounds.log ;;
     gputest) tests=${step#gputest}; tests=${tests#:}; tests=${tests//,/ }  # a node id keeps its "::"; commas part paths
              timeout $left python3 -m pytest -q --tb=short -m gpu ${tests:-tests/gpu} 2>&1 | tail -150 > $R/gpu-tests.log
+             # a suite cut by the deadline ends mid-line, with no summary: say so (call 109's log did not)
+             [ "${PIPESTATUS[0]}" = 124 ] && echo "gputest: cut by the deadline after ${left} s" >> $R/gpu-tests.log
              cat $R/gpu-tests.log ;;
     calibrate) timeout $left python3 -m deep_optimizer_states calibrate ${model:+--bf16-cpu-path} 2>&1 \
                  | tee -a $R/calibrate.log ;;
