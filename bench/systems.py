@@ -402,7 +402,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_s55": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.55),
     # 22 of 55: fewer still, where call 110's rounds pointed (26 faster than 29 and 30 in both on machine F);
-    # call 113 on machine G: the model's split faster than 22 and 26 in both rounds (overlap.md, calls 109-115)
+    # call 113 on machine G: the model's split the best median of the three (overlap.md, calls 109-115)
     "ours_offload_overlap_spec_prefetch_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.4),
     "ours_offload_overlap_spec_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True, speculate=True,
