@@ -396,7 +396,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.5),
     # 26 and 30 of 55 at 1.36B: the two splits the model settled on in calls 105-108 (one machine, 0.294-0.307 s
-    # against 0.301-0.334 s), fixed, to pair in rounds: does the split make the difference, or the run?
+    # against 0.301-0.334 s), fixed, to pair in rounds: does the split make the difference, or the run? The run:
+    # the fixed 26 won both rounds on machine F, one of two on G (calls 110, 113)
     "ours_offload_overlap_spec_prefetch_bf16_s47": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                         prefetch=True, bf16_cpu_path=True, staged_share=0.47),
     "ours_offload_overlap_spec_prefetch_bf16_s55": ours("offload", stream_grads=True, overlap=True, speculate=True,
