@@ -1,6 +1,6 @@
 """The bf16-gradient CPU AdamW kernel against torch's fused CPU kernel: elements/s on this host, one JSON line.
 
-    python3 -m bench.cpu_kernel [--numel 25000000] [--threads 1,2] [--dma]
+    python3 -m bench.cpu_kernel [--numel 25000000] [--threads 1,2] [--dma] [--straggler]
 
 The kernels are timed in turns (one call of each per round, the median of 7 rounds), so a host whose
 speed drifts slows them alike. ``--dma`` (a GPU machine) times them again while pinned copies run both
@@ -16,13 +16,21 @@ lines are read before they are written, 30 B) does in one pass what the engine o
 checked equal, bit for bit, first.
 An update run ahead (``speculate``) also keeps the states before aside: ``run_ahead_copy_then_update``
 copies them in a pass of its own first, ``run_ahead_saved_in_the_kernel`` in the kernel's pass.
+``..._dynamic_chunks`` is the kernel built to hand its blocks to its threads in chunks as they come free
+(``-DDOS_DYNAMIC_CHUNKS``) instead of a fixed share each. ``--straggler`` times them all again while a
+process spins on the first CPU: with the threads bound to cores (run under ``OMP_PROC_BIND=true
+OMP_PLACES=cores``) one thread then runs at about half speed, as on a vCPU the hypervisor shares.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from typing import Callable
@@ -77,6 +85,18 @@ class PinnedTraffic:
         self._thread.join()
 
 
+@contextlib.contextmanager
+def spinner_on_cpu0():
+    """A process spinning on the first CPU while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
+    try:
+        time.sleep(0.5)  # started and bound
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -90,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=25_000_000)
     parser.add_argument("--threads", default=str(torch.get_num_threads()))
     parser.add_argument("--dma", action="store_true", help="also time the kernels beside pinned PCIe copies (a GPU)")
+    parser.add_argument("--straggler", action="store_true", help="also time them while a process spins on CPU 0")
     args = parser.parse_args(argv)
     if args.dma and not torch.cuda.is_available():
         print(json.dumps({"status": "--dma needs a GPU"}))
@@ -99,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"status": "kernel not available (see the warning)"}))
         return 1
     plain = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_PLAIN_STORES"]), kernel.variant)  # the params' old stores
+    dynamic = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_DYNAMIC_CHUNKS"]), kernel.variant)
     n, h = args.numel, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
     p, m, v = torch.randn(n), torch.zeros(n), torch.rand(n) * 1e-6
     g32 = torch.randn(n) * 1e-3
@@ -116,14 +138,15 @@ def main(argv: list[str] | None = None) -> int:
            "ours_bf16_grads": lambda: kernel(p, g16, m, v, 5, h),
            "ours_bf16_grads_clip_bf16_params": lambda: kernel(p, g16, m, v, 5, h, (0.5,), out),
            "ours_bf16_grads_clip_bf16_params_plain_stores": lambda: plain(p, g16, m, v, 5, h, (0.5,), out),
+           "ours_bf16_grads_clip_bf16_params_dynamic_chunks": lambda: dynamic(p, g16, m, v, 5, h, (0.5,), out),
            "run_ahead_copy_then_update": copy_then_update,
            "run_ahead_saved_in_the_kernel": lambda: kernel(p, g16, m, v, 5, h, (), out, spare)}
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         row = {"date": time.strftime("%Y-%m-%d"), "numel": n, "threads": threads, "cpu": cpu_name(),
                "torch": torch.__version__, "timing": "in turns, median of 7 rounds",
-               "equal_bit_for_bit": cpu_adamw.mismatch(kernel, seed=threads) is None
-               and cpu_adamw.mismatch(plain, seed=threads) is None}
+               "omp_proc_bind": os.environ.get("OMP_PROC_BIND"),
+               "equal_bit_for_bit": all(cpu_adamw.mismatch(k, seed=threads) is None for k in (kernel, plain, dynamic))}
         row.update({f"{name}_G_per_s": rate for name, rate in rates_in_turns(fns, n).items()})
         if args.dma:
             with PinnedTraffic(n, torch.device("cuda")) as traffic:
@@ -132,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = time.perf_counter() - start
             row.update({f"beside_dma_{name}_G_per_s": rate for name, rate in beside.items()})
             row["dma_GB_per_s_each_way"] = traffic.rounds * 4 * n / seconds / 1e9
+        if args.straggler:
+            with spinner_on_cpu0():
+                row.update({f"straggler_{name}_G_per_s": rate for name, rate in rates_in_turns(fns, n).items()})
         print(json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()}))
     return 0
 

@@ -69,7 +69,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          staged_share: float | None = None,
          fill_cap: float | None = None,
          flush_ahead_last: bool | None = None,
-         plain_stores: bool = False) -> Callable[[str, torch.device, int], Trainer]:
+         kernel_defines: tuple[str, ...] = ()) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -85,8 +85,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
-    ``plain_stores``: the bf16 kernel built with plain stores for the rounded params (``-DDOS_PLAIN_STORES``,
-    the kernel before H200 call 95), in the same form (variant) as the library's."""
+    ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
+    (variant) as the library's."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
@@ -105,8 +105,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                                   **({} if subgroup_size is None else {"subgroup_size": subgroup_size}))
         if path_threads:
             opt.engine.set_cpu_threads(path_threads)
-        if plain_stores and opt.engine.bf16_kernel is not None:
-            opt.engine.bf16_kernel = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_PLAIN_STORES"]),
+        if kernel_defines and opt.engine.bf16_kernel is not None:
+            opt.engine.bf16_kernel = cpu_adamw.Bf16GradAdam(cpu_adamw.build(kernel_defines),
                                                             opt.engine.bf16_kernel.variant)
         if staged_share is not None:
             count = len(opt.layout.subgroups)
@@ -183,7 +183,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + "CPU path's params up by the copy engine, "
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
-                       + ("the bf16 kernel's params by plain stores, " if plain_stores else "")
+                       + "".join(f"the bf16 kernel {cpu_adamw.KERNEL_DEFINES[d]}, " for d in kernel_defines)
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -346,11 +346,21 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # iteration, in rounds on one machine (calls 95-99 could not separate it from a faster host)
     "ours_offload_overlap_spec_prefetch_bf16_plainstores": ours("offload", stream_grads=True, overlap=True,
                                                                 speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                                plain_stores=True),
+                                                                kernel_defines=("DOS_PLAIN_STORES",)),
     "ours_offload_overlap_clip_spec_prefetch_bf16_plainstores": ours("offload", stream_grads=True, overlap=True,
                                                                      max_grad_norm=CLIP, prefetch=True,
                                                                      speculate=True, bf16_cpu_path=True,
-                                                                     plain_stores=True),
+                                                                     kernel_defines=("DOS_PLAIN_STORES",)),
+    # the defaults with the bf16 kernel's blocks handed out to its threads in chunks as they come free, not a fixed
+    # share each (a vCPU the hypervisor shares slows only the chunk it holds): built and checked on the CPU
+    # (cpu-kernel.md, fortieth session), not yet run on the GPU; for paired rounds against the defaults
+    "ours_offload_overlap_spec_prefetch_bf16_dynamic": ours("offload", stream_grads=True, overlap=True,
+                                                            speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                            kernel_defines=("DOS_DYNAMIC_CHUNKS",)),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_dynamic": ours("offload", stream_grads=True, overlap=True,
+                                                                 max_grad_norm=CLIP, prefetch=True,
+                                                                 speculate=True, bf16_cpu_path=True,
+                                                                 kernel_defines=("DOS_DYNAMIC_CHUNKS",)),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -500,22 +500,26 @@ def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cann
     assert row["equal_bit_for_bit"] and row["threads"] == 1
     assert all(row[f"{name}_G_per_s"] > 0 for name in ("torch_fp32_grads", "ours_bf16_grads",
                                                         "ours_bf16_grads_clip_bf16_params",
-                                                        "ours_bf16_grads_clip_bf16_params_plain_stores"))
+                                                        "ours_bf16_grads_clip_bf16_params_plain_stores",
+                                                        "ours_bf16_grads_clip_bf16_params_dynamic_chunks"))
     if not torch.cuda.is_available():
         assert cpu_kernel.main(["--numel", "4096", "--dma"]) == 1
         assert "needs a GPU" in capsys.readouterr().out
 
 
 @needs_compiler
-def test_the_plain_stores_variant_of_ours_runs_the_kernel_built_with_them_in_the_librarys_form():
-    """The A/B system for the kernel's streaming stores: same kernel form, the other build; it trains."""
+@pytest.mark.parametrize("suffix, build", [("plainstores", "dos_plain_stores"), ("dynamic", "dos_dynamic_chunks")])
+def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suffix, build):
+    """The A/B systems for the kernel's builds (streaming stores, dynamic chunks): same kernel form, the other
+    build; it trains."""
     from bench.systems import SYSTEMS
 
-    trainer = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_plainstores"]("tiny", torch.device("cpu"), 1)
+    name = f"ours_offload_overlap_spec_prefetch_bf16_{suffix}"
+    trainer = SYSTEMS[name]("tiny", torch.device("cpu"), 1)
     engine = trainer.optimizer.engine
     assert engine.bf16_kernel is not None and engine.bf16_kernel.variant == cpu_adamw.load().variant
-    assert "dos_plain_stores" in engine.bf16_kernel._module.__name__
-    row = run_system.run("ours_offload_overlap_spec_prefetch_bf16_plainstores", "tiny", None, iters=2, warmup=1,
+    assert build in engine.bf16_kernel._module.__name__
+    row = run_system.run(name, "tiny", None, iters=2, warmup=1,
                          micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")
     assert row["losses"][-1] < row["losses"][0]

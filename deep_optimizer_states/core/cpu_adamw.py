@@ -72,6 +72,8 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even; a NaN stays
 // must be undoable) each block's states before are copied aside first, while the update brings them into
 // cache anyway: a separate copy pass would read them from memory once more.
 constexpr int64_t kBlock = 512;
+// DOS_DYNAMIC_CHUNKS: blocks handed out 64 at a time (32768 elements, about 1 MB of host traffic each)
+constexpr int64_t kChunk = 64;
 
 // The states before, into the spare: streaming stores where the spare is aligned (the spare is only read
 // back by an undo, so it need not be read into cache before it is written: 12 bytes per element less).
@@ -155,10 +157,21 @@ static void run(float* p, const uint16_t* g, float* m, float* v, uint16_t* out, 
   const float coeff = small ? weight : weight - 1.0f;
   const float shrink = decoupled && wd != 0 ? float(1 - lr * wd) : 1.0f;
   const float l2 = float(wd), epsf = float(eps);
-  at::parallel_for(0, (n + kBlock - 1) / kBlock, 16, [=](int64_t first, int64_t last) {
+  const int64_t count = (n + kBlock - 1) / kBlock;
+#if defined(DOS_DYNAMIC_CHUNKS)
+  // Chunks of kChunk blocks handed out as threads come free: a thread that runs slower (a vCPU the hypervisor
+  // shares) holds up one chunk, not its whole fixed share. Each element is computed alike either way.
+  const int64_t chunks = (count + kChunk - 1) / kChunk;
+#pragma omp parallel for schedule(dynamic, 1) if (chunks > 1)
+  for (int64_t c = 0; c < chunks; ++c)
+    blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, save, c * kChunk, std::min(count, (c + 1) * kChunk), n, k0,
+                                      k1, shrink, l2, small, coeff, sq_coeff, b2, bias2_sqrt, epsf, step_size);
+#else
+  at::parallel_for(0, count, 16, [=](int64_t first, int64_t last) {  // a fixed share per thread
     blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, save, first, last, n, k0, k1, shrink, l2, small, coeff,
                                       sq_coeff, b2, bias2_sqrt, epsf, step_size);
   });
+#endif
 }
 
 using Kernel = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, float* const*, int64_t, double, double,
@@ -218,6 +231,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
 
 # no contraction but the kernel's own fma calls; vector sqrt (IEEE either way); this CPU's vector width
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+KERNEL_DEFINES = {  # the macros ``build`` takes, and what each builds: variants bench/ times against the library's
+    "DOS_PLAIN_STORES": "with plain stores for the rounded params (the kernel before H200 call 95)",
+    "DOS_DYNAMIC_CHUNKS": "handing its blocks to its threads in chunks as they come free",
+}
 UNIT = 16  # torch's kernel runs whole vectors of 16 fp32 (AVX-512; 2 of 8 with AVX2), a scalar loop after
 _EMPTY = torch.empty(0)
 VARIANTS = 12  # fused lerp or not x three forms of the second moment x fused L2 term or not (the C++ order)
@@ -299,6 +316,9 @@ def build(defines: Sequence[str] = ()) -> types.ModuleType:
     """The extension module compiled for this CPU with the macros ``defines`` (torch caches each build by name)."""
     from torch.utils.cpp_extension import load_inline
 
+    unknown = [d for d in defines if d not in KERNEL_DEFINES]
+    if unknown:
+        raise ValueError(f"unknown kernel macros {unknown}: pass some of {sorted(KERNEL_DEFINES)}")
     name = "_".join([f"dos_cpu_adamw_bf16_{_cpu_tag()}", *(d.lower() for d in defines)])
     return load_inline(name, _SOURCE, extra_cflags=FLAGS + [f"-D{d}" for d in defines], extra_ldflags=["-fopenmp"])
 
