@@ -11,6 +11,10 @@ candidates can be read from inside the VM, so each run records them (``row["host
 - ``copy_GBps``: host memory bandwidth measured in the process after setup and before the first step (a
   256 MB copy, read plus write, best of three): neighbours' memory traffic, or a slow placement of this
   process's memory.
+- ``slowest_vcpu``: the speed of the slowest CPU this process may run on, over the fastest's, measured beside
+  ``copy_GBps`` (the same loop timed on each CPU in turn, this thread bound to it): the CPU path's kernel gives
+  each thread a fixed share, so one vCPU that the hypervisor shares would hold up every update
+  (docs/benchmarks/cpu-kernel.md, fortieth session).
 
 Off Linux, or where a file cannot be read, a field is None.
 """
@@ -18,6 +22,8 @@ Off Linux, or where a file cannot be read, a field is None.
 from __future__ import annotations
 
 import glob
+import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -106,3 +112,30 @@ def copy_bandwidth_gbps(megabytes: int = 256, repeats: int = 3) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return round(2 * src.numel() * 4 / best / 1e9, 1)
+
+
+def _spin(count: int) -> float:
+    """Seconds this thread takes for ``count`` turns of a plain Python loop (one core's speed, no memory)."""
+    t = time.perf_counter()
+    for _ in range(count):
+        pass
+    return time.perf_counter() - t
+
+
+def vcpu_speeds(count: int = 200_000, repeats: int = 5) -> dict[int, float] | None:
+    """Each CPU this process may run on: its speed over the fastest's (1.0 the fastest), the median of
+    ``repeats`` timings of the same loop with this thread bound to it; None where threads cannot be bound."""
+    if not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = os.sched_getaffinity(0)
+    seconds = {}
+    try:
+        for cpu in sorted(allowed):
+            os.sched_setaffinity(0, {cpu})  # this thread only
+            seconds[cpu] = statistics.median(_spin(count) for _ in range(repeats))
+    except OSError:
+        return None
+    finally:
+        os.sched_setaffinity(0, allowed)
+    fastest = min(seconds.values())
+    return {cpu: round(fastest / t, 3) for cpu, t in seconds.items()}

@@ -109,6 +109,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         _sync(device)
         row.update(setup_s=round(time.perf_counter() - t0, 2), params=trainer.params, settings=trainer.settings)
         copy_gbps = host_load.copy_bandwidth_gbps()  # before any step, so no update of ours runs beside it
+        speeds = host_load.vcpu_speeds()
         vocab = PRESETS[model][2]
         phases, losses = [], []
         ids = batch(micro_batch, seq, vocab, device, data_seed)
@@ -125,7 +126,8 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         before = host_load.Snapshot.take()
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
-        load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps}
+        load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps,
+                "slowest_vcpu": None if not speeds else min(speeds.values())}
         losses += more
         measured = sorted(phases[warmup:], key=sum)
         fwd, bwd, step_s = measured[len(measured) // 2]

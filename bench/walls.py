@@ -72,7 +72,7 @@ def cpu_path_rate(row: dict) -> float | None:
 def host_of(row: dict) -> dict[str, float | None]:
     """What the host gave the run's timed loop (``bench.host_load``; rows before 2026-12-03 have none)."""
     load = row.get("host_load") or {}
-    return {key: load.get(key) for key in ("steal", "preempted_per_s", "copy_GBps")}
+    return {key: load.get(key) for key in ("steal", "preempted_per_s", "copy_GBps", "slowest_vcpu")}
 
 
 def _pct(value: float | None) -> str:
@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{_num(host['copy_GBps'], 1)} | {gap} |")
         for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),
                             ("the threads preempted per s", host["preempted_per_s"]),
-                            ("the host copy's GB/s", host["copy_GBps"])):
+                            ("the host copy's GB/s", host["copy_GBps"]),
+                            ("the slowest vCPU's speed over the fastest's", host["slowest_vcpu"])):
             if value is not None:
                 by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))
     for (model, name), pairs in by_model.items():

@@ -1,6 +1,10 @@
 """The comparison harness's own logic on the CPU: parsing, budgets, tables, the loss check, a smoke run."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -145,8 +149,35 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
-    assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "steal"] and load["copy_GBps"] > 0
+    assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal"] and load["copy_GBps"] > 0
+    assert load["slowest_vcpu"] is None or 0 < load["slowest_vcpu"] <= 1
     assert 0 <= load["steal"] <= 1 and 0 <= load["busy"] <= 1 and load["preempted_per_s"] >= 0
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs to bind to")
+def test_vcpu_speeds_find_the_cpu_another_process_shares():
+    """A process spinning on the first CPU takes most of it from a probe run at the lowest priority (so the
+    scheduler cannot hand the probe its share back within the short timing): that CPU reads slowest, the
+    fastest reads 1.0, and the probe's thread may run on every CPU again after."""
+    allowed = os.sched_getaffinity(0)
+    first = min(allowed)
+    spinner = subprocess.Popen([sys.executable, "-c",
+                                f"import os\nos.sched_setaffinity(0, {{{first}}})\nwhile True: pass"])
+    probe = ("import json, os\nfrom bench import host_load\nos.nice(19)\nallowed = os.sched_getaffinity(0)\n"
+             "speeds = host_load.vcpu_speeds(count=300_000)\n"
+             "print(json.dumps({'speeds': speeds, 'restored': os.sched_getaffinity(0) == allowed}))")
+    try:
+        time.sleep(0.5)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parents[1]).stdout
+    finally:
+        spinner.kill()
+        spinner.wait()
+    got = json.loads(out)
+    speeds = {int(cpu): v for cpu, v in got["speeds"].items()}
+    assert set(speeds) == allowed and max(speeds.values()) == 1.0 and got["restored"]
+    assert speeds[first] < 0.5 and speeds[first] == min(speeds.values()), speeds
 
 
 def test_host_load_reads_the_steal_and_busy_shares_and_the_preemptions_between_two_snapshots():
