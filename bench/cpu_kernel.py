@@ -18,7 +18,7 @@ An update run ahead (``speculate``) also keeps the states before aside: ``run_ah
 copies them in a pass of its own first, ``run_ahead_saved_in_the_kernel`` in the kernel's pass.
 ``..._dynamic_chunks`` is the kernel built to hand its blocks to its threads in chunks as they come free
 (``-DDOS_DYNAMIC_CHUNKS``) instead of a fixed share each. ``--straggler`` times them all again while a
-process spins on the first CPU: with the threads bound to cores (run under ``OMP_PROC_BIND=true
+process spins on the first CPU this one may use: with the threads bound to cores (run under ``OMP_PROC_BIND=true
 OMP_PLACES=cores``) one thread then runs at about half speed, as on a vCPU the hypervisor shares.
 """
 
@@ -86,9 +86,9 @@ class PinnedTraffic:
 
 
 @contextlib.contextmanager
-def spinner_on_cpu0():
-    """A process spinning on the first CPU while the block runs."""
-    proc = subprocess.Popen([sys.executable, "-c", "import os\nos.sched_setaffinity(0, {0})\nwhile True: pass"])
+def spinning_on(cpu: int):
+    """A process spinning on CPU ``cpu`` while the block runs."""
+    proc = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
     try:
         time.sleep(0.5)  # started and bound
         yield
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update({f"beside_dma_{name}_G_per_s": rate for name, rate in beside.items()})
             row["dma_GB_per_s_each_way"] = traffic.rounds * 4 * n / seconds / 1e9
         if args.straggler:
-            with spinner_on_cpu0():
+            with spinning_on(min(os.sched_getaffinity(0))):
                 row.update({f"straggler_{name}_G_per_s": rate for name, rate in rates_in_turns(fns, n).items()})
         print(json.dumps({k: round(x, 3) if isinstance(x, float) else x for k, x in row.items()}))
     return 0

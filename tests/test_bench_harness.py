@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -160,20 +159,16 @@ def test_vcpu_speeds_find_the_cpu_another_process_shares():
     """A process spinning on the first CPU takes most of it from a probe run at the lowest priority (so the
     scheduler cannot hand the probe its share back within the short timing): that CPU reads slowest, the
     fastest reads 1.0, and the probe's thread may run on every CPU again after."""
+    from bench.cpu_kernel import spinning_on
+
     allowed = os.sched_getaffinity(0)
     first = min(allowed)
-    spinner = subprocess.Popen([sys.executable, "-c",
-                                f"import os\nos.sched_setaffinity(0, {{{first}}})\nwhile True: pass"])
     probe = ("import json, os\nfrom bench import host_load\nos.nice(19)\nallowed = os.sched_getaffinity(0)\n"
              "speeds = host_load.vcpu_speeds(count=300_000)\n"
              "print(json.dumps({'speeds': speeds, 'restored': os.sched_getaffinity(0) == allowed}))")
-    try:
-        time.sleep(0.5)
+    with spinning_on(first):
         out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                              cwd=Path(__file__).resolve().parents[1]).stdout
-    finally:
-        spinner.kill()
-        spinner.wait()
     got = json.loads(out)
     speeds = {int(cpu): v for cpu, v in got["speeds"].items()}
     assert set(speeds) == allowed and max(speeds.values()) == 1.0 and got["restored"]
