@@ -16,10 +16,12 @@ lines are read before they are written, 30 B) does in one pass what the engine o
 checked equal, bit for bit, first.
 An update run ahead (``speculate``) also keeps the states before aside: ``run_ahead_copy_then_update``
 copies them in a pass of its own first, ``run_ahead_saved_in_the_kernel`` in the kernel's pass.
-``..._dynamic_chunks`` is the kernel built to hand its blocks to its threads in chunks as they come free
-(``-DDOS_DYNAMIC_CHUNKS``) instead of a fixed share each. ``--straggler`` times them all again while a
-process spins on the first CPU this one may use: with the threads bound to cores (run under ``OMP_PROC_BIND=true
-OMP_PLACES=cores``) one thread then runs at about half speed, as on a vCPU the hypervisor shares.
+The library's kernel hands its blocks to its threads in chunks as they come free; ``..._fixed_shares`` is
+it built to give each thread a fixed share instead (``-DDOS_FIXED_SHARES``, the library's before H200 calls
+119-124; rows before then name the chunked build ``..._dynamic_chunks``). ``--straggler`` times them all
+again while a process spins on the first CPU this one may use: with the threads bound to cores (run under
+``OMP_PROC_BIND=true OMP_PLACES=cores``) one thread then runs at about half speed, as on a vCPU the
+hypervisor shares.
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"status": "kernel not available (see the warning)"}))
         return 1
     plain = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_PLAIN_STORES"]), kernel.variant)  # the params' old stores
-    dynamic = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_DYNAMIC_CHUNKS"]), kernel.variant)
+    fixed = cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_FIXED_SHARES"]), kernel.variant)
     n, h = args.numel, AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True)
     p, m, v = torch.randn(n), torch.zeros(n), torch.rand(n) * 1e-6
     g32 = torch.randn(n) * 1e-3
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
            "ours_bf16_grads": lambda: kernel(p, g16, m, v, 5, h),
            "ours_bf16_grads_clip_bf16_params": lambda: kernel(p, g16, m, v, 5, h, (0.5,), out),
            "ours_bf16_grads_clip_bf16_params_plain_stores": lambda: plain(p, g16, m, v, 5, h, (0.5,), out),
-           "ours_bf16_grads_clip_bf16_params_dynamic_chunks": lambda: dynamic(p, g16, m, v, 5, h, (0.5,), out),
+           "ours_bf16_grads_clip_bf16_params_fixed_shares": lambda: fixed(p, g16, m, v, 5, h, (0.5,), out),
            "run_ahead_copy_then_update": copy_then_update,
            "run_ahead_saved_in_the_kernel": lambda: kernel(p, g16, m, v, 5, h, (), out, spare)}
     for threads in (int(t) for t in args.threads.split(",")):
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {"date": time.strftime("%Y-%m-%d"), "numel": n, "threads": threads, "cpu": cpu_name(),
                "torch": torch.__version__, "timing": "in turns, median of 7 rounds",
                "omp_proc_bind": os.environ.get("OMP_PROC_BIND"),
-               "equal_bit_for_bit": all(cpu_adamw.mismatch(k, seed=threads) is None for k in (kernel, plain, dynamic))}
+               "equal_bit_for_bit": all(cpu_adamw.mismatch(k, seed=threads) is None for k in (kernel, plain, fixed))}
         row.update({f"{name}_G_per_s": rate for name, rate in rates_in_turns(fns, n).items()})
         if args.dma:
             with PinnedTraffic(n, torch.device("cuda")) as traffic:

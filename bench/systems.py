@@ -351,16 +351,16 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                                      max_grad_norm=CLIP, prefetch=True,
                                                                      speculate=True, bf16_cpu_path=True,
                                                                      kernel_defines=("DOS_PLAIN_STORES",)),
-    # the defaults with the bf16 kernel's blocks handed out to its threads in chunks as they come free, not a fixed
-    # share each (a vCPU the hypervisor shares slows only the chunk it holds): built and checked on the CPU
-    # (cpu-kernel.md, fortieth session), not yet run on the GPU; for paired rounds against the defaults
-    "ours_offload_overlap_spec_prefetch_bf16_dynamic": ours("offload", stream_grads=True, overlap=True,
-                                                            speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                            kernel_defines=("DOS_DYNAMIC_CHUNKS",)),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_dynamic": ours("offload", stream_grads=True, overlap=True,
-                                                                 max_grad_norm=CLIP, prefetch=True,
-                                                                 speculate=True, bf16_cpu_path=True,
-                                                                 kernel_defines=("DOS_DYNAMIC_CHUNKS",)),
+    # the defaults with the bf16 kernel giving each of its threads a fixed share of its blocks (the kernel before
+    # H200 calls 119-124, whose paired rounds, as `_dynamic`, found the kernel handing out chunks as threads come
+    # free x0.969 over 16 rounds, faster in 11): to time the change again on other hosts
+    "ours_offload_overlap_spec_prefetch_bf16_fixedshares": ours("offload", stream_grads=True, overlap=True,
+                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                                kernel_defines=("DOS_FIXED_SHARES",)),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_fixedshares": ours("offload", stream_grads=True, overlap=True,
+                                                                     max_grad_norm=CLIP, prefetch=True,
+                                                                     speculate=True, bf16_cpu_path=True,
+                                                                     kernel_defines=("DOS_FIXED_SHARES",)),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -527,16 +527,16 @@ def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cann
     assert all(row[f"{name}_G_per_s"] > 0 for name in ("torch_fp32_grads", "ours_bf16_grads",
                                                         "ours_bf16_grads_clip_bf16_params",
                                                         "ours_bf16_grads_clip_bf16_params_plain_stores",
-                                                        "ours_bf16_grads_clip_bf16_params_dynamic_chunks"))
+                                                        "ours_bf16_grads_clip_bf16_params_fixed_shares"))
     if not torch.cuda.is_available():
         assert cpu_kernel.main(["--numel", "4096", "--dma"]) == 1
         assert "needs a GPU" in capsys.readouterr().out
 
 
 @needs_compiler
-@pytest.mark.parametrize("suffix, build", [("plainstores", "dos_plain_stores"), ("dynamic", "dos_dynamic_chunks")])
+@pytest.mark.parametrize("suffix, build", [("plainstores", "dos_plain_stores"), ("fixedshares", "dos_fixed_shares")])
 def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suffix, build):
-    """The A/B systems for the kernel's builds (streaming stores, dynamic chunks): same kernel form, the other
+    """The A/B systems for the kernel's builds (streaming stores, chunks as threads come free): same kernel form, the other
     build; it trains."""
     from bench.systems import SYSTEMS
 

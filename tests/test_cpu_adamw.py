@@ -133,27 +133,31 @@ def test_a_kernel_that_differs_is_not_used(monkeypatch, kernel, fresh_load):
 
 
 @pytest.fixture(scope="module")
-def dynamic(kernel):
-    """The kernel built to hand its blocks out in chunks as threads come free, in the library's form."""
-    return cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_DYNAMIC_CHUNKS"]), kernel.variant)
+def fixed_shares(kernel):
+    """The kernel built to give each thread a fixed share of its blocks (the library's before H200 calls 119-124),
+    in the library's form."""
+    return cpu_adamw.Bf16GradAdam(cpu_adamw.build(["DOS_FIXED_SHARES"]), kernel.variant)
 
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_dynamic_chunks_build_equals_torchs_kernel_and_saves_the_states_before(dynamic, threads):
+@pytest.mark.parametrize("build", ["library", "fixed_shares"])
+def test_each_build_equals_torchs_kernel_over_many_chunks_and_saves_the_states_before(kernel, fixed_shares, build,
+                                                                                      threads):
     """Sizes of several chunks (64 blocks of 512) and a part chunk, with a tail: bit for bit torch's kernel; and
     with ``save`` (an update run ahead) every element's states before land in the spare, whichever thread took
-    its chunk."""
+    its chunk or share."""
+    ours = kernel if build == "library" else fixed_shares
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert cpu_adamw.mismatch(dynamic, sizes=(64 * 512 * 3 + 512 * 5 + 7, 16), seed=threads) is None
+        assert cpu_adamw.mismatch(ours, sizes=(64 * 512 * 3 + 512 * 5 + 7, 16), seed=threads) is None
         n = 64 * 512 * 4 + 16 * 3
         gen = torch.Generator().manual_seed(threads)
         states = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen)]
         was = [t.clone() for t in states]
         spare = torch.full((3, n), float("nan"))
-        dynamic(states[0], (torch.randn(n, generator=gen) * 1e-2).bfloat16(), states[1], states[2], 3,
+        ours(states[0], (torch.randn(n, generator=gen) * 1e-2).bfloat16(), states[1], states[2], 3,
                 AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, True), (0.5,), torch.empty(n, dtype=torch.bfloat16), spare)
         for saved, b in zip(spare, was):
             assert torch.equal(saved.view(torch.int32), b.view(torch.int32))

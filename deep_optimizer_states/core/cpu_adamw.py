@@ -6,6 +6,9 @@ and read back as 4; and its fp32 master goes up as 4 bytes for the GPU to round.
 gradient as bf16 (2 + 2 bytes: the up-cast is exact, done in registers) and writes the rounded param
 beside the master (2 bytes, sent up as 2; with streaming stores, so that their cache lines are not read
 first): 32 bytes through host memory per element instead of 36, and half the PCIe bytes of the CPU path.
+Its threads take the blocks in chunks as each comes free, so a vCPU the hypervisor shares holds up one chunk,
+not a fixed share of the update (x0.969 per iteration over 16 paired rounds on one H200 host: overlap.md,
+calls 119-124).
 
 Exactness: the arithmetic is that of torch's fused CPU kernel on fp32 (its vectorised loop), written
 element by element and compiled without contraction but where a form says so: which multiply-adds torch's
@@ -72,7 +75,7 @@ static inline uint16_t to_bf16(float f) {  // round to nearest even; a NaN stays
 // must be undoable) each block's states before are copied aside first, while the update brings them into
 // cache anyway: a separate copy pass would read them from memory once more.
 constexpr int64_t kBlock = 512;
-// DOS_DYNAMIC_CHUNKS: blocks handed out 64 at a time (32768 elements, about 1 MB of host traffic each)
+// Blocks handed out to the threads 64 at a time (32768 elements, about 1 MB of host traffic each)
 constexpr int64_t kChunk = 64;
 
 // The states before, into the spare: streaming stores where the spare is aligned (the spare is only read
@@ -158,19 +161,19 @@ static void run(float* p, const uint16_t* g, float* m, float* v, uint16_t* out, 
   const float shrink = decoupled && wd != 0 ? float(1 - lr * wd) : 1.0f;
   const float l2 = float(wd), epsf = float(eps);
   const int64_t count = (n + kBlock - 1) / kBlock;
-#if defined(DOS_DYNAMIC_CHUNKS)
+#if defined(DOS_FIXED_SHARES)
+  at::parallel_for(0, count, 16, [=](int64_t first, int64_t last) {  // a fixed share per thread
+    blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, save, first, last, n, k0, k1, shrink, l2, small, coeff,
+                                      sq_coeff, b2, bias2_sqrt, epsf, step_size);
+  });
+#else
   // Chunks of kChunk blocks handed out as threads come free: a thread that runs slower (a vCPU the hypervisor
-  // shares) holds up one chunk, not its whole fixed share. Each element is computed alike either way.
+  // shares) holds up one chunk, not a fixed share of the whole span. Each element is computed alike either way.
   const int64_t chunks = (count + kChunk - 1) / kChunk;
 #pragma omp parallel for schedule(dynamic, 1) if (chunks > 1)
   for (int64_t c = 0; c < chunks; ++c)
     blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, save, c * kChunk, std::min(count, (c + 1) * kChunk), n, k0,
                                       k1, shrink, l2, small, coeff, sq_coeff, b2, bias2_sqrt, epsf, step_size);
-#else
-  at::parallel_for(0, count, 16, [=](int64_t first, int64_t last) {  // a fixed share per thread
-    blocks<kLerp, kSquare, kL2, kOut>(p, g, m, v, out, save, first, last, n, k0, k1, shrink, l2, small, coeff,
-                                      sq_coeff, b2, bias2_sqrt, epsf, step_size);
-  });
 #endif
 }
 
@@ -233,7 +236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
 KERNEL_DEFINES = {  # the macros ``build`` takes, and what each builds: variants bench/ times against the library's
     "DOS_PLAIN_STORES": "with plain stores for the rounded params (the kernel before H200 call 95)",
-    "DOS_DYNAMIC_CHUNKS": "handing its blocks to its threads in chunks as they come free",
+    "DOS_FIXED_SHARES": "giving each thread a fixed share of its blocks (the kernel before H200 calls 119-124)",
 }
 UNIT = 16  # torch's kernel runs whole vectors of 16 fp32 (AVX-512; 2 of 8 with AVX2), a scalar loop after
 _EMPTY = torch.empty(0)
