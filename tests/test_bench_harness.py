@@ -536,8 +536,8 @@ def test_the_kernel_benchmark_times_both_kernels_in_turns_and_says_when_dma_cann
 @needs_compiler
 @pytest.mark.parametrize("suffix, build", [("plainstores", "dos_plain_stores"), ("fixedshares", "dos_fixed_shares")])
 def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suffix, build):
-    """The A/B systems for the kernel's builds (streaming stores, chunks as threads come free): same kernel form, the other
-    build; it trains."""
+    """The A/B systems for the kernel's builds (plain stores, fixed shares per thread): same kernel form, the
+    other build; it trains."""
     from bench.systems import SYSTEMS
 
     name = f"ours_offload_overlap_spec_prefetch_bf16_{suffix}"

@@ -158,7 +158,7 @@ def test_each_build_equals_torchs_kernel_over_many_chunks_and_saves_the_states_b
         was = [t.clone() for t in states]
         spare = torch.full((3, n), float("nan"))
         ours(states[0], (torch.randn(n, generator=gen) * 1e-2).bfloat16(), states[1], states[2], 3,
-                AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, True), (0.5,), torch.empty(n, dtype=torch.bfloat16), spare)
+             AdamHyper(1e-3, 0.9, 0.95, 1e-8, 0.1, True), (0.5,), torch.empty(n, dtype=torch.bfloat16), spare)
         for saved, b in zip(spare, was):
             assert torch.equal(saved.view(torch.int32), b.view(torch.int32))
     finally:
