@@ -132,6 +132,22 @@ def test_a_kernel_that_differs_is_not_used(monkeypatch, kernel, fresh_load):
         assert fresh_load() is None
 
 
+@needs_compiler
+def test_a_kernel_that_differs_only_when_its_threads_share_the_work_is_not_used(monkeypatch, kernel, fresh_load):
+    """load() checks a size the threads take in several chunks too: a kernel right on one chunk and wrong
+    on several (a chunk's bounds off, another OpenMP runtime) is not used."""
+    real = cpu_adamw.adam_update
+
+    def shifted_when_split(param, *args):
+        real(param, *args)
+        if param.numel() > cpu_adamw.CHUNK:
+            param.view(torch.int32).add_(1)
+
+    monkeypatch.setattr(cpu_adamw, "adam_update", shifted_when_split)
+    with pytest.warns(UserWarning, match=f"x param differs from torch's kernel [^;]*, {cpu_adamw.SPLIT} elements"):
+        assert fresh_load() is None
+
+
 @pytest.fixture(scope="module")
 def fixed_shares(kernel):
     """The kernel built to give each thread a fixed share of its blocks (the library's before H200 calls 119-124),
@@ -151,8 +167,8 @@ def test_each_build_equals_torchs_kernel_over_many_chunks_and_saves_the_states_b
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert cpu_adamw.mismatch(ours, sizes=(64 * 512 * 3 + 512 * 5 + 7, 16), seed=threads) is None
-        n = 64 * 512 * 4 + 16 * 3
+        assert cpu_adamw.mismatch(ours, sizes=(cpu_adamw.SPLIT, 16), seed=threads) is None
+        n = cpu_adamw.CHUNK * 4 + 16 * 3
         gen = torch.Generator().manual_seed(threads)
         states = [torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-3, torch.rand(n, generator=gen)]
         was = [t.clone() for t in states]

@@ -16,8 +16,8 @@ build fused (the moment's lerp, the second moment, the L2 term) is a property of
 are compiled and the one that matches is kept. The gradient multipliers (unscale, clip) are the same fp32
 multiplies the engine applies. ``load()`` compiles it once (torch's C++ extension builder), then checks it bit for bit
 against torch's kernel on random data, AdamW and Adam, with and without weight decay and multipliers, at
-early and late steps; if the compiler is missing or any bit differs (another torch, another kernel), it
-returns None and says why, and the caller keeps torch's kernel.
+early and late steps, on one chunk and on a size its threads share; if the compiler is missing or any bit
+differs (another torch, another kernel), it returns None and says why, and the caller keeps torch's kernel.
 
 The engine uses it with ``bf16_cpu_path=True`` (opt-in: docs/design.md item 15 says when it pays) for CPU-placed
 subgroups of bf16 params, their gradients sent at the update or streamed during backward, and for those
@@ -239,6 +239,8 @@ KERNEL_DEFINES = {  # the macros ``build`` takes, and what each builds: variants
     "DOS_FIXED_SHARES": "giving each thread a fixed share of its blocks (the kernel before H200 calls 119-124)",
 }
 UNIT = 16  # torch's kernel runs whole vectors of 16 fp32 (AVX-512; 2 of 8 with AVX2), a scalar loop after
+CHUNK = 64 * 512  # kChunk blocks of kBlock elements: what one of the kernel's threads takes at a time
+SPLIT = 3 * CHUNK + 5 * 512 + 7  # a size the kernel's threads share: whole chunks, a part chunk, a scalar tail
 _EMPTY = torch.empty(0)
 VARIANTS = 12  # fused lerp or not x three forms of the second moment x fused L2 term or not (the C++ order)
 
@@ -275,9 +277,10 @@ class Bf16GradAdam:
                 out[body:].copy_(param[body:])
 
 
-def mismatch(kernel: Bf16GradAdam, sizes: Sequence[int] = (4096, 4096 + 7), seed: int = 0) -> str | None:
+def mismatch(kernel: Bf16GradAdam, sizes: Sequence[int] = (4096, 4096 + 7, SPLIT), seed: int = 0) -> str | None:
     """None when ``kernel`` equals torch's fused CPU kernel bit for bit on random data in every case (each
-    size: a scalar tail after whole vectors is taken too); else the first case that differs."""
+    size: a scalar tail after whole vectors is taken too; by default one size spread over the threads in
+    chunks); else the first case that differs."""
     gen = torch.Generator().manual_seed(seed)
     cases = [(AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.01, True), 0, ()),
              (AdamHyper(3e-4, 0.9, 0.95, 1e-6, 0.1, True), 999, (0.37,)),
