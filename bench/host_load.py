@@ -12,9 +12,10 @@ candidates can be read from inside the VM, so each run records them (``row["host
   256 MB copy, read plus write, best of three): neighbours' memory traffic, or a slow placement of this
   process's memory.
 - ``slowest_vcpu``: the speed of the slowest CPU this process may run on, over the fastest's, measured beside
-  ``copy_GBps`` (the same loop timed on each CPU in turn, this thread bound to it): the CPU path's kernel gives
-  each thread a fixed share, so one vCPU that the hypervisor shares would hold up every update
-  (docs/benchmarks/cpu-kernel.md, fortieth session).
+  ``copy_GBps`` (the same loop timed on each CPU in turn, this thread bound to it), and ``vcpu_speeds`` each
+  CPU's: with a fixed share per thread (the CPU kernel before H200 calls 119-124) one vCPU the hypervisor
+  shares would hold up every update; the H200 hosts read 0.35-0.65 in every run of calls 119-124, and which
+  CPUs read slow says whether it is always the same ones (docs/benchmarks/cpu-kernel.md).
 
 Off Linux, or where a file cannot be read, a field is None.
 """

@@ -127,7 +127,8 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
         load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps,
-                "slowest_vcpu": None if not speeds else min(speeds.values())}
+                "slowest_vcpu": None if not speeds else min(speeds.values()),
+                "vcpu_speeds": None if not speeds else {str(cpu): v for cpu, v in speeds.items()}}
         losses += more
         measured = sorted(phases[warmup:], key=sum)
         fwd, bwd, step_s = measured[len(measured) // 2]

@@ -148,8 +148,12 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
-    assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal"] and load["copy_GBps"] > 0
+    assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal", "vcpu_speeds"]
+    assert load["copy_GBps"] > 0
     assert load["slowest_vcpu"] is None or 0 < load["slowest_vcpu"] <= 1
+    if load["vcpu_speeds"] is not None:  # each CPU the process may use, by number; the slowest is the one above
+        assert sorted(map(int, load["vcpu_speeds"])) == sorted(os.sched_getaffinity(0))
+        assert min(load["vcpu_speeds"].values()) == load["slowest_vcpu"] and max(load["vcpu_speeds"].values()) == 1.0
     assert 0 <= load["steal"] <= 1 and 0 <= load["busy"] <= 1 and load["preempted_per_s"] >= 0
 
 
