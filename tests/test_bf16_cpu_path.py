@@ -10,21 +10,20 @@ from tests.harness import mlp, needs_compiler, tiny_llama, train_and_compare
 pytestmark = needs_compiler
 
 
-def _bf16_params(seed: int) -> list[torch.nn.Parameter]:
-    """Sizes that are no multiple of the kernel's unit, so that subgroups cut params anywhere."""
+SHAPES = [(1000,), (37, 13), (517,), (64, 64), (5,), (300, 7)]  # no multiple of the kernel's unit: cut anywhere
+
+
+def _bf16_params(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(seed)
-    shapes = [(1000,), (37, 13), (517,), (64, 64), (5,), (300, 7)]
     return [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.1).bfloat16()) for s in shapes]
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-@pytest.mark.parametrize("subgroup_size", [37, 1000, 4000])
-@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
-def test_equals_the_fp32_cpu_path_bit_for_bit(adamw, subgroup_size, clip):
+def _assert_equal_to_the_fp32_path(shapes: list[tuple[int, ...]], subgroup_size: int, adamw: bool = True,
+                                   clip: float | None = None) -> None:
     """Same params, same gradients (some params without one at some steps, so spans and step counts differ
     between neighbours): masters, moments and the bf16 params equal the default path's after each step."""
     assert cpu_adamw.load() is not None
-    params = {lean: _bf16_params(0) for lean in (False, True)}
+    params = {lean: _bf16_params(0, shapes) for lean in (False, True)}
     opts = {lean: DeepOptimizerStates(params[lean], lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, adamw=adamw,
                                       subgroup_size=subgroup_size, schedule="cpu", max_grad_norm=clip,
                                       bf16_cpu_path=lean) for lean in (False, True)}
@@ -44,6 +43,26 @@ def test_equals_the_fp32_cpu_path_bit_for_bit(adamw, subgroup_size, clip):
                     assert torch.equal(opts[False].state[p][key], opts[True].state[q][key])
     # the same subgroups moved half the bytes: bf16 up and down, the kernel's path was taken
     assert 2 * opts[True].last_update.h2d_bytes == opts[False].last_update.h2d_bytes > 0
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("subgroup_size", [37, 1000, 4000])
+@pytest.mark.parametrize("adamw", [True, False], ids=["adamw", "adam"])
+def test_equals_the_fp32_cpu_path_bit_for_bit(adamw, subgroup_size, clip):
+    _assert_equal_to_the_fp32_path(SHAPES, subgroup_size, adamw, clip)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_param_the_kernels_threads_share_equals_the_fp32_cpu_path(threads):
+    """A param of several of the kernel's chunks, in one subgroup with small ones: its threads take the
+    chunks as each comes free, and every bit is still the fp32 path's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _assert_equal_to_the_fp32_path([(37, 13), (3 * cpu_adamw.CHUNK // 256 + 9, 256), (1000,)], 200_000,
+                                       clip=0.05)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "llama"])
