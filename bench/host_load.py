@@ -115,6 +115,19 @@ def copy_bandwidth_gbps(megabytes: int = 256, repeats: int = 3) -> float:
     return round(2 * src.numel() * 4 / best / 1e9, 1)
 
 
+def openmp_runtimes() -> list[str] | None:
+    """The OpenMP runtimes mapped into this process (libgomp, libiomp, libomp), by path. Two means two
+    thread pools: torch's intra-op threads and the CPU kernel's (built with the compiler's ``-fopenmp``)
+    would then be apart, each team's threads spinning after its regions beside the other's work. None off
+    Linux."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if len(line.split()) >= 6}
+    except OSError:
+        return None
+    return sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp", "libomp")))
+
+
 def _spin(count: int) -> float:
     """Seconds this thread takes for ``count`` turns of a plain Python loop (one core's speed, no memory)."""
     t = time.perf_counter()

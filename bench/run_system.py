@@ -126,6 +126,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         before = host_load.Snapshot.take()
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
+        row["openmp_runtimes"] = host_load.openmp_runtimes()  # the CPU kernel, if any, is loaded by now
         load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps,
                 "slowest_vcpu": None if not speeds else min(speeds.values()),
                 "vcpu_speeds": None if not speeds else {str(cpu): v for cpu, v in speeds.items()}}

@@ -146,6 +146,7 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     assert abs(row["iter_mean_s"] - sum(row["iter_walls_s"]) / 2) < 1e-3
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
+    assert row["openmp_runtimes"] is None or all(os.path.isfile(p) for p in row["openmp_runtimes"])
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
     assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal", "vcpu_speeds"]
@@ -159,6 +160,18 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="needs two CPUs to bind to")
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_openmp_runtimes_name_the_one_torch_runs_its_threads_on():
+    """torch's CPU build on Linux runs its intra-op threads on libgomp: after a parallel op, the runtime is
+    found by its path, and a path that is not an OpenMP runtime is not."""
+    from bench import host_load
+
+    torch.ones(1 << 20).add_(1)  # a parallel region: the runtime is mapped (it is from torch's import on)
+    found = host_load.openmp_runtimes()
+    assert found and all(os.path.isfile(p) for p in found), found
+    assert not any("libtorch" in p for p in found)
+
+
 def test_vcpu_speeds_find_the_cpu_another_process_shares():
     """A process spinning on the first CPU takes most of it from a probe run at the lowest priority (so the
     scheduler cannot hand the probe its share back within the short timing): that CPU reads slowest, the
