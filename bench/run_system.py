@@ -10,7 +10,8 @@ them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``
 (a loop whose walls alternate runs at the mean). The second matters for an update left running past
 ``step()`` (overlap), whose GPU work a synchronize outside the timers would hide. ``peak_gpu_GB`` is the
 allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone (what a plan
-learnt there holds). ``host_load``: what the host gave the free-running loop (bench/host_load.py).
+learnt there holds). ``host_load``: what the host gave the free-running loop (bench/host_load.py);
+``allocator_calls``: how often the GPU allocator went to the driver during it (``ALLOCATOR_COUNTERS``).
 """
 
 from __future__ import annotations
@@ -86,6 +87,28 @@ def _host_peak_gb() -> float | None:
         return None
 
 
+# torch.cuda.memory_stats counters whose growth over the timed loop says the allocator went to the driver in the
+# steady state: cudaMalloc and cudaFree (a cudaFree waits for the whole device), retries after a failed cudaMalloc
+# (all cached blocks freed first), and synchronisations of every stream (torch >= 2.1; absent keys are left out)
+ALLOCATOR_COUNTERS = {"cudaMalloc": "segment.all.allocated", "cudaFree": "segment.all.freed",
+                      "retries": "num_alloc_retries", "sync_all_streams": "num_sync_all_streams"}
+
+
+def allocator_counts(device: torch.device) -> dict[str, int] | None:
+    """The allocator's counters now (``ALLOCATOR_COUNTERS``); None without a GPU."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return {name: stats[key] for name, key in ALLOCATOR_COUNTERS.items() if key in stats}
+
+
+def allocator_calls(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
+    """How much each counter grew between two ``allocator_counts`` (None without a GPU)."""
+    if before is None or after is None:
+        return None
+    return {name: after[name] - before[name] for name in after if name in before}
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -123,9 +146,10 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         if device.type == "cuda":  # the free-running loop's own peak, apart from the synchronised phases'
             phases_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        before = host_load.Snapshot.take()
+        before, counts = host_load.Snapshot.take(), allocator_counts(device)
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
+        row["allocator_calls"] = allocator_calls(counts, allocator_counts(device))  # over the timed loop
         row["openmp_runtimes"] = host_load.openmp_runtimes()  # the CPU kernel, if any, is loaded by now
         load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps,
                 "slowest_vcpu": None if not speeds else min(speeds.values()),

@@ -147,6 +147,7 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
     assert row["openmp_runtimes"] is None or all(os.path.isfile(p) for p in row["openmp_runtimes"])
+    assert row["allocator_calls"] is None  # no GPU allocator here
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
     assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal", "vcpu_speeds"]
@@ -156,6 +157,14 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
         assert sorted(map(int, load["vcpu_speeds"])) == sorted(os.sched_getaffinity(0))
         assert min(load["vcpu_speeds"].values()) == load["slowest_vcpu"] and max(load["vcpu_speeds"].values()) == 1.0
     assert 0 <= load["steal"] <= 1 and 0 <= load["busy"] <= 1 and load["preempted_per_s"] >= 0
+
+
+def test_allocator_calls_are_each_counters_growth_and_leave_out_what_one_side_lacks():
+    """Growth of each counter over the timed loop; a counter an older torch does not report is left out."""
+    before = {"cudaMalloc": 10, "cudaFree": 4, "retries": 0}
+    after = {"cudaMalloc": 13, "cudaFree": 6, "retries": 1, "sync_all_streams": 2}
+    assert run_system.allocator_calls(before, after) == {"cudaMalloc": 3, "cudaFree": 2, "retries": 1}
+    assert run_system.allocator_calls(None, after) is None and run_system.allocator_counts(torch.device("cpu")) is None
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")

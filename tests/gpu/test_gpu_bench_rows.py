@@ -1,0 +1,18 @@
+"""The bench's result row on a GPU: what it records about the process beside the times (bench/run_system.py)."""
+
+import pytest
+import torch
+
+from bench import run_system
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_row_on_the_gpu_counts_the_allocators_driver_calls_and_names_the_openmp_runtimes():
+    row = run_system.run("ours_offload_overlap_spec_prefetch_bf16", "tiny", None, iters=3, warmup=2, micro_batch=1,
+                         seq=16, device=torch.device("cuda"))
+    assert row["status"] == "ok", row.get("traceback")
+    calls = row["allocator_calls"]
+    assert {"cudaMalloc", "cudaFree", "retries"} <= set(calls) and all(v >= 0 for v in calls.values()), calls
+    assert row["openmp_runtimes"], "torch's intra-op threads run on an OpenMP runtime, mapped by now"
