@@ -42,12 +42,12 @@ def steadiness(row: dict) -> dict:
 
 
 def step_records(row: dict) -> dict[str, float | None]:
-    """Medians over the last STEPS steps of the update's seconds, its params done, the forward's wait and the
+    """Medians over the last STEPS steps of the update's seconds, its params done, the forward's wait, the
     rest of the iteration the planner learnt (``rest_s``: a step's seconds outside its update, backward
-    mostly; what the fills planned during backward are sized by)."""
+    mostly; what the fills planned during backward are sized by) and the subgroups filled during backward."""
     steps = row.get("history", [])[-STEPS:]
     out = {}
-    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s"):
+    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s", "prefetched"):
         values = [s[key] for s in steps if s.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return out
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
           "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
           "| loss vs reference |\n" + "|---" * 15 + "|")
-    seen, by_model = set(), {}
+    seen, by_model, fills = set(), {}, {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
             continue
@@ -129,16 +129,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | "
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
               f"{_num(host['copy_GBps'], 1)} | {gap} |")
+        if r["prefetched"] is not None:  # fills during backward against backward's host seconds
+            fills.setdefault(row["model"], []).append((r["prefetched"], backward))
         for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),
                             ("the threads preempted per s", host["preempted_per_s"]),
                             ("the host copy's GB/s", host["copy_GBps"]),
-                            ("the slowest vCPU's speed over the fastest's", host["slowest_vcpu"])):
+                            ("the slowest vCPU's speed over the fastest's", host["slowest_vcpu"]),
+                            ("the subgroups filled during backward", r["prefetched"]),
+                            ("backward's host seconds", backward)):
             if value is not None:
                 by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))
     for (model, name), pairs in by_model.items():
         if len(pairs) >= 3 and len({c for c, _ in pairs}) > 1 and len({t for _, t in pairs}) > 1:
             r_value = statistics.correlation([c for c, _ in pairs], [t for _, t in pairs])
             print(f"\n{model}: {name} against the iteration, r = {r_value:.2f} over {len(pairs)} runs")
+    for model, pairs in fills.items():
+        if len(pairs) >= 3 and len({f for f, _ in pairs}) > 1 and len({b for _, b in pairs}) > 1:
+            r_value = statistics.correlation([f for f, _ in pairs], [b for _, b in pairs])
+            print(f"\n{model}: the subgroups filled during backward against backward's host seconds, "
+                  f"r = {r_value:.2f} over {len(pairs)} runs")
     return 0
 
 

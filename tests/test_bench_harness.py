@@ -392,7 +392,8 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     racing = _row("ours_b", iter_walls_s=[0.45, 0.2, 0.3], walls_split_s=[split(0.12), split(0.0001), split(0.011)],
                   history=history, losses=[10.0, 9.0, 8.1], subgroups=10, params=1_000_000_000)
     assert walls.step_records(racing) == pytest.approx({"update_s": 0.2, "params_done_s": 0.19,
-                                                        "forward_wait_s": 0.1, "rest_s": 0.1})  # the 13th left out
+                                                        "forward_wait_s": 0.1, "rest_s": 0.1,
+                                                        "prefetched": None})  # the 13th left out; no fills
     assert walls.cpu_path_rate(racing) == pytest.approx(2.0)  # 5 subgroups of 1e8 elements in 0.25 s
     assert walls.cpu_path_rate(steady) is None
     assert walls.steadiness(steady)["waited"] == 0 and walls.steadiness(steady)["walls_sd_s"] == 0
@@ -428,6 +429,22 @@ def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
     walls.main([str(results)])
     assert "1.36b: the CPU path's rate in the update against the iteration, r = -1.00 over 3 runs" in \
         capsys.readouterr().out
+
+
+def test_walls_relate_the_fills_during_backward_to_backwards_host_seconds(tmp_path, capsys):
+    """5, 10 and 15 subgroups filled during backward with 0.08, 0.10 and 0.12 s of it on the host, and the
+    iterations 0.28, 0.30, 0.32 s: both correlations r = 1."""
+    def run(filled: int, backward: float) -> dict:
+        return _row("ours_a", iter_s=backward + 0.2, iter_walls_s=[backward + 0.2], history=[{"prefetched": filled}],
+                    walls_split_s=[{"forward": 0.1, "backward": backward, "step": 0.1, "loss_read": 0.0}])
+
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(run(f, b)) + "\n" for f, b in ((5, 0.08), (10, 0.10), (15, 0.12))))
+    walls.main([str(results)])
+    out = capsys.readouterr().out
+    assert "1.36b: the subgroups filled during backward against backward's host seconds, r = 1.00 over 3 runs" in out
+    assert "1.36b: backward's host seconds against the iteration, r = 1.00 over 3 runs" in out
+    assert "1.36b: the subgroups filled during backward against the iteration, r = 1.00 over 3 runs" in out
 
 
 def test_host_bytes_count_each_paths_traffic_through_host_memory(tmp_path, capsys):
