@@ -69,7 +69,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          staged_share: float | None = None,
          fill_cap: float | None = None,
          flush_ahead_last: bool | None = None,
-         kernel_defines: tuple[str, ...] = ()) -> Callable[[str, torch.device, int], Trainer]:
+         kernel_defines: tuple[str, ...] = (),
+         allocator: str | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
     loop's own thread while an overlapped update runs); ``checkpointing`` turns on the model's activation
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
@@ -86,7 +87,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
     ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
-    (variant) as the library's."""
+    (variant) as the library's; ``allocator``: torch's CUDA allocator settings for this process, in
+    ``PYTORCH_CUDA_ALLOC_CONF``'s form (set before the model is built; no effect without a GPU)."""
     def build(preset: str, device: torch.device, batch: int) -> Trainer:
         if launch_share is not None:
             optimizer_module.LAUNCH_SHARE = launch_share
@@ -94,6 +96,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             plan_module.FILL_CAP = fill_cap
         if flush_ahead_last is not None:
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
+        if allocator is not None and device.type == "cuda":
+            torch.cuda.memory._set_allocator_settings(allocator)
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -184,6 +188,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
                        + "".join(f"the bf16 kernel {cpu_adamw.KERNEL_DEFINES[d]}, " for d in kernel_defines)
+                       + (f"CUDA allocator {allocator}, " if allocator else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -361,6 +366,13 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                                      max_grad_norm=CLIP, prefetch=True,
                                                                      speculate=True, bf16_cpu_path=True,
                                                                      kernel_defines=("DOS_FIXED_SHARES",)),
+    # the defaults with the CUDA caching allocator's expandable segments: the subgroups filled during backward
+    # (a fresh 16 B/element slot each, from the stream forward's activations also take blocks from) go with
+    # backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls 119-124); if the
+    # rows' `allocator_calls` show slot allocations reaching the driver in the timed loop, this is the pair to time
+    "ours_offload_overlap_spec_prefetch_bf16_expandable": ours("offload", stream_grads=True, overlap=True,
+                                                               speculate=True, prefetch=True, bf16_cpu_path=True,
+                                                               allocator="expandable_segments:True"),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

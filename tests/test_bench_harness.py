@@ -594,6 +594,20 @@ def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suf
     assert row["losses"][-1] < row["losses"][0]
 
 
+def test_an_allocator_variant_of_ours_says_its_setting_and_sets_it_only_on_a_gpu(monkeypatch):
+    """The `_expandable` system names its CUDA allocator setting in the row's settings; without a GPU it leaves
+    the allocator alone (there is none) and trains as the defaults do."""
+    from bench.systems import SYSTEMS
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    trainer = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_expandable"]("tiny", torch.device("cpu"), 1)
+    assert "CUDA allocator expandable_segments:True" in trainer.settings and calls == []
+    row = run_system.run("ours_offload_overlap_spec_prefetch_bf16_expandable", "tiny", None, iters=2, warmup=1,
+                         micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+
+
 def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
     """bench/trace_loop.py's analysis of a hand-written trace: the marker copies name the streams, each
     iteration counts its streams' busy time and bytes, and a copy that started long after its enqueue call
