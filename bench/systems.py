@@ -368,8 +368,9 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                                      kernel_defines=("DOS_FIXED_SHARES",)),
     # the defaults with the CUDA caching allocator's expandable segments: the subgroups filled during backward
     # (a fresh 16 B/element slot each, from the stream forward's activations also take blocks from) go with
-    # backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls 119-124); if the
-    # rows' `allocator_calls` show slot allocations reaching the driver in the timed loop, this is the pair to time
+    # backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls 119-124; the cause
+    # may run the other way); if the rows' `allocator_calls` show slot allocations reaching the driver in the
+    # timed loop, this is the pair to time
     "ours_offload_overlap_spec_prefetch_bf16_expandable": ours("offload", stream_grads=True, overlap=True,
                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
                                                                allocator="expandable_segments:True"),
