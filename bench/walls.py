@@ -140,15 +140,17 @@ def main(argv: list[str] | None = None) -> int:
             if value is not None:
                 by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))
     for (model, name), pairs in by_model.items():
-        if len(pairs) >= 3 and len({c for c, _ in pairs}) > 1 and len({t for _, t in pairs}) > 1:
-            r_value = statistics.correlation([c for c, _ in pairs], [t for _, t in pairs])
-            print(f"\n{model}: {name} against the iteration, r = {r_value:.2f} over {len(pairs)} runs")
+        _print_correlation(f"{model}: {name} against the iteration", pairs)
     for model, pairs in fills.items():
-        if len(pairs) >= 3 and len({f for f, _ in pairs}) > 1 and len({b for _, b in pairs}) > 1:
-            r_value = statistics.correlation([f for f, _ in pairs], [b for _, b in pairs])
-            print(f"\n{model}: the subgroups filled during backward against backward's host seconds, "
-                  f"r = {r_value:.2f} over {len(pairs)} runs")
+        _print_correlation(f"{model}: the subgroups filled during backward against backward's host seconds", pairs)
     return 0
+
+
+def _print_correlation(label: str, pairs: list[tuple[float, float]]) -> None:
+    """``label, r = ...`` over the pairs, where there are 3 or more and each side varies."""
+    if len(pairs) >= 3 and len({x for x, _ in pairs}) > 1 and len({y for _, y in pairs}) > 1:
+        r_value = statistics.correlation([x for x, _ in pairs], [y for _, y in pairs])
+        print(f"\n{label}, r = {r_value:.2f} over {len(pairs)} runs")
 
 
 if __name__ == "__main__":
