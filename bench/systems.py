@@ -194,6 +194,14 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     return build
 
 
+def defaults(clip: bool = False, **variant) -> Callable[[str, torch.device, int], Trainer]:
+    """The library's settings with every state on the host (README: ``schedule="offload"``, gradients streamed,
+    the update overlapped, fills and updates run ahead during backward, the bf16 CPU path), clipped at ``CLIP``
+    with ``clip``; ``variant``: what a variant of them changes (``ours``' other arguments)."""
+    return ours("offload", stream_grads=True, overlap=True, speculate=True, prefetch=True, bf16_cpu_path=True,
+                max_grad_norm=CLIP if clip else None, **variant)
+
+
 def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
     model = llama(preset, torch.float32, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
@@ -322,69 +330,43 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # both halves of the update begun during backward: the CPU path's AdamW and the staged states' way in
     "ours_offload_overlap_spec_prefetch": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                prefetch=True),
-    "ours_offload_overlap_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                    prefetch=True, bf16_cpu_path=True),
+    "ours_offload_overlap_spec_prefetch_bf16": defaults(),
     # fills ahead bounded by the memory alone (the library before 2026-12-02), against the default bound of what
     # the link carries in the rest of the iteration (5.2B, H200 call 46: 95 subgroups filled, a 138 GB peak)
-    "ours_offload_overlap_spec_prefetch_bf16_uncapped": ours("offload", stream_grads=True, overlap=True,
-                                                             speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                             fill_cap=math.inf),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_uncapped": ours("offload", stream_grads=True, overlap=True,
-                                                                  max_grad_norm=CLIP, prefetch=True, speculate=True,
-                                                                  bf16_cpu_path=True, fill_cap=math.inf),
+    "ours_offload_overlap_spec_prefetch_bf16_uncapped": defaults(fill_cap=math.inf),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_uncapped": defaults(clip=True, fill_cap=math.inf),
     # twice what the link carries in the least rest (calls 51-52: the capped updates wrote their last param
     # 0.19-0.22 s after they began against 0.15-0.16 s uncapped, so the least rest looked conservative at 1.36B)
-    "ours_offload_overlap_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
-                                                         speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                         fill_cap=2.0),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": ours("offload", stream_grads=True, overlap=True,
-                                                              max_grad_norm=CLIP, prefetch=True, speculate=True,
-                                                              bf16_cpu_path=True, fill_cap=2.0),
+    "ours_offload_overlap_spec_prefetch_bf16_cap2": defaults(fill_cap=2.0),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_cap2": defaults(clip=True, fill_cap=2.0),
     # fills during backward sized by three quarters of the learnt rest: in calls 71-75 the slow 1.36B runs had
     # learnt a longer rest and planned more fills (overlap.md, calls 71-75). Call 76: x1.08 slower than the
     # defaults in the median of 4 rounds (faster in 1), its peak 22-25 GB against their 29-32 GB
-    "ours_offload_overlap_spec_prefetch_bf16_cap075": ours("offload", stream_grads=True, overlap=True,
-                                                           speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                           fill_cap=0.75),
+    "ours_offload_overlap_spec_prefetch_bf16_cap075": defaults(fill_cap=0.75),
     # the defaults with the bf16 kernel's rounded params written by plain stores (the kernel before H200 call 95,
     # whose streaming stores made the kernel x1.08 faster beside the PCIe copies): what the change gives the
     # iteration, in rounds on one machine (calls 95-99 could not separate it from a faster host)
-    "ours_offload_overlap_spec_prefetch_bf16_plainstores": ours("offload", stream_grads=True, overlap=True,
-                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                                kernel_defines=("DOS_PLAIN_STORES",)),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_plainstores": ours("offload", stream_grads=True, overlap=True,
-                                                                     max_grad_norm=CLIP, prefetch=True,
-                                                                     speculate=True, bf16_cpu_path=True,
-                                                                     kernel_defines=("DOS_PLAIN_STORES",)),
+    "ours_offload_overlap_spec_prefetch_bf16_plainstores": defaults(kernel_defines=("DOS_PLAIN_STORES",)),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_plainstores": defaults(clip=True,
+                                                                         kernel_defines=("DOS_PLAIN_STORES",)),
     # the defaults with the bf16 kernel giving each of its threads a fixed share of its blocks (the kernel before
     # H200 calls 119-124, whose paired rounds, as `_dynamic`, found the kernel handing out chunks as threads come
     # free x0.969 over 16 rounds, faster in 11): to time the change again on other hosts
-    "ours_offload_overlap_spec_prefetch_bf16_fixedshares": ours("offload", stream_grads=True, overlap=True,
-                                                                speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                                kernel_defines=("DOS_FIXED_SHARES",)),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_fixedshares": ours("offload", stream_grads=True, overlap=True,
-                                                                     max_grad_norm=CLIP, prefetch=True,
-                                                                     speculate=True, bf16_cpu_path=True,
-                                                                     kernel_defines=("DOS_FIXED_SHARES",)),
+    "ours_offload_overlap_spec_prefetch_bf16_fixedshares": defaults(kernel_defines=("DOS_FIXED_SHARES",)),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_fixedshares": defaults(clip=True,
+                                                                         kernel_defines=("DOS_FIXED_SHARES",)),
     # the defaults with the CUDA caching allocator's expandable segments: the subgroups filled during backward
     # (a fresh 16 B/element slot each, from the stream forward's activations also take blocks from) go with
     # backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls 119-124; the cause
     # may run the other way); if the rows' `allocator_calls` show slot allocations reaching the driver in the
     # timed loop, this is the pair to time
-    "ours_offload_overlap_spec_prefetch_bf16_expandable": ours("offload", stream_grads=True, overlap=True,
-                                                               speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                               allocator="expandable_segments:True"),
+    "ours_offload_overlap_spec_prefetch_bf16_expandable": defaults(allocator="expandable_segments:True"),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the
     # host memory's mapping, taken out after call 73 (slower in 10 of 15 pairs: overlap.md)
-    "ours_offload_overlap_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
-                                                               speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                               flush_ahead_last=False),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
-                                                                    max_grad_norm=CLIP, prefetch=True,
-                                                                    speculate=True, bf16_cpu_path=True,
-                                                                    flush_ahead_last=False),
+    "ours_offload_overlap_spec_prefetch_bf16_ce_inorder": defaults(flush_ahead_last=False),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_ce_inorder": defaults(clip=True, flush_ahead_last=False),
     "ours_offload_overlap_stream_clip_prefetch_bf16_ce_inorder": ours("offload", stream_grads=True, overlap=True,
                                                                       max_grad_norm=CLIP, prefetch=True,
                                                                       bf16_cpu_path=True,
@@ -405,9 +387,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # its busiest lane)
     "ours_offload_overlap_spec_bf16_sg12": ours("offload", stream_grads=True, overlap=True, speculate=True,
                                                 bf16_cpu_path=True, subgroup_size=12_500_000),
-    "ours_offload_overlap_spec_prefetch_bf16_sg12": ours("offload", stream_grads=True, overlap=True,
-                                                         speculate=True, prefetch=True, bf16_cpu_path=True,
-                                                         subgroup_size=12_500_000),
+    "ours_offload_overlap_spec_prefetch_bf16_sg12": defaults(subgroup_size=12_500_000),
     "ours_offload_overlap_clip_gathered_sg12": ours("offload", overlap=True, max_grad_norm=CLIP,
                                                     subgroup_size=12_500_000),
     # a quarter of the threads (4 of 16 cores) left to backward while an update runs ahead, against the
@@ -416,23 +396,17 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                    bf16_cpu_path=True, launch_share=0.25),
     # fixed shares of the subgroups staged, with and without prefetch (1.36B has 55 subgroups; "offload"
     # staged 22-27 of them in calls 24-28, before the model priced the fills during backward)
-    "ours_offload_overlap_spec_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.5),
+    "ours_offload_overlap_spec_prefetch_bf16_s50": defaults(staged_share=0.5),
     # 26 and 30 of 55 at 1.36B: the two splits the model settled on in calls 105-108 (one machine, 0.294-0.307 s
     # against 0.301-0.334 s), fixed, to pair in rounds: does the split make the difference, or the run? The run:
     # the fixed 26 won both rounds on machine F, one of two on G (calls 110, 113)
-    "ours_offload_overlap_spec_prefetch_bf16_s47": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.47),
-    "ours_offload_overlap_spec_prefetch_bf16_s55": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.55),
+    "ours_offload_overlap_spec_prefetch_bf16_s47": defaults(staged_share=0.47),
+    "ours_offload_overlap_spec_prefetch_bf16_s55": defaults(staged_share=0.55),
     # 22 of 55: fewer still, where call 110's rounds pointed (26 faster than 29 and 30 in both on machine F);
     # call 113 on machine G: the model's split the best median of the three (overlap.md, calls 109-115)
-    "ours_offload_overlap_spec_prefetch_bf16_s40": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.4),
-    "ours_offload_overlap_spec_prefetch_bf16_s60": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.6),
-    "ours_offload_overlap_spec_prefetch_bf16_s70": ours("offload", stream_grads=True, overlap=True, speculate=True,
-                                                        prefetch=True, bf16_cpu_path=True, staged_share=0.7),
+    "ours_offload_overlap_spec_prefetch_bf16_s40": defaults(staged_share=0.4),
+    "ours_offload_overlap_spec_prefetch_bf16_s60": defaults(staged_share=0.6),
+    "ours_offload_overlap_spec_prefetch_bf16_s70": defaults(staged_share=0.7),
     "ours_offload_overlap_stream_clip_prefetch_bf16_s50": ours("offload", stream_grads=True, overlap=True,
                                                                max_grad_norm=CLIP, prefetch=True, bf16_cpu_path=True,
                                                                staged_share=0.5),
@@ -445,9 +419,7 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_k2_overlap_spec_prefetch_bf16": ours(2, stream_grads=True, overlap=True, speculate=True, prefetch=True,
                                                bf16_cpu_path=True),
     # clipped, with the CPU path's update run ahead: kept on the steps the norm stays under max_grad_norm
-    "ours_offload_overlap_clip_spec_prefetch_bf16": ours("offload", stream_grads=True, overlap=True,
-                                                         max_grad_norm=CLIP, prefetch=True, speculate=True,
-                                                         bf16_cpu_path=True),
+    "ours_offload_overlap_clip_spec_prefetch_bf16": defaults(clip=True),
     "ours_k2_overlap_stream_clip_prefetch_bf16": ours(2, stream_grads=True, overlap=True, max_grad_norm=CLIP,
                                                       prefetch=True, bf16_cpu_path=True),
     "ours_offload_overlap_spec_bf16_s50": ours("offload", stream_grads=True, overlap=True, speculate=True,
