@@ -351,15 +351,16 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
                                                                          kernel_defines=("DOS_PLAIN_STORES",)),
     # the defaults with the bf16 kernel giving each of its threads a fixed share of its blocks (the kernel before
     # H200 calls 119-124, whose paired rounds, as `_dynamic`, found the kernel handing out chunks as threads come
-    # free x0.969 over 16 rounds, faster in 11): to time the change again on other hosts
+    # free x0.969 over 16 rounds, faster in 11; with a second host's 4, calls 125, x0.987 over 20, faster in 12):
+    # to time the change again on other hosts
     "ours_offload_overlap_spec_prefetch_bf16_fixedshares": defaults(kernel_defines=("DOS_FIXED_SHARES",)),
     "ours_offload_overlap_clip_spec_prefetch_bf16_fixedshares": defaults(clip=True,
                                                                          kernel_defines=("DOS_FIXED_SHARES",)),
     # the defaults with the CUDA caching allocator's expandable segments: the subgroups filled during backward
     # (a fresh 16 B/element slot each, from the stream forward's activations also take blocks from) go with
     # backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls 119-124; the cause
-    # may run the other way); if the rows' `allocator_calls` show slot allocations reaching the driver in the
-    # timed loop, this is the pair to time
+    # may run the other way). Timed in H200 calls 128-129, where the defaults' rows counted 19-34 new segments in
+    # each timed loop: x1.042 in the median of 7 paired rounds, faster in 3; not kept
     "ours_offload_overlap_spec_prefetch_bf16_expandable": defaults(allocator="expandable_segments:True"),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as

@@ -7,8 +7,8 @@ gradient as bf16 (2 + 2 bytes: the up-cast is exact, done in registers) and writ
 beside the master (2 bytes, sent up as 2; with streaming stores, so that their cache lines are not read
 first): 32 bytes through host memory per element instead of 36, and half the PCIe bytes of the CPU path.
 Its threads take the blocks in chunks as each comes free, so a vCPU the hypervisor shares holds up one chunk,
-not a fixed share of the update (x0.969 per iteration over 16 paired rounds on one H200 host: overlap.md,
-calls 119-124).
+not a fixed share of the update (x0.969 per iteration over 16 paired rounds on one H200 host, x0.987 over 20
+on two: overlap.md, calls 119-125; its CPU path the faster in every pair).
 
 Exactness: the arithmetic is that of torch's fused CPU kernel on fp32 (its vectorised loop), written
 element by element and compiled without contraction but where a form says so: which multiply-adds torch's
