@@ -11,7 +11,8 @@ them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``
 ``step()`` (overlap), whose GPU work a synchronize outside the timers would hide. ``peak_gpu_GB`` is the
 allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone (what a plan
 learnt there holds). ``host_load``: what the host gave the free-running loop (bench/host_load.py);
-``allocator_calls``: how often the GPU allocator went to the driver during it (``ALLOCATOR_COUNTERS``).
+``allocator_calls``: how often the GPU allocator went to the driver during it (``ALLOCATOR_COUNTERS``);
+``reserved_gpu_GB``: what it held from the driver at the loop's start and end (steady, or still growing?).
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ def allocator_counts(device: torch.device) -> dict[str, int] | None:
     return {name: stats[key] for name, key in ALLOCATOR_COUNTERS.items() if key in stats}
 
 
+def reserved_gb(device: torch.device) -> float | None:
+    """GB the caching allocator holds from the driver now (what nvidia-smi shows of this process, less the
+    context); None without a GPU. Growth with no ``cudaFree`` is memory a longer run keeps taking."""
+    return round(torch.cuda.memory_reserved(device) / 1e9, 2) if device.type == "cuda" else None
+
+
 def allocator_calls(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, int] | None:
     """How much each counter grew between two ``allocator_counts`` (None without a GPU)."""
     if before is None or after is None:
@@ -146,10 +153,11 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         if device.type == "cuda":  # the free-running loop's own peak, apart from the synchronised phases'
             phases_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        before, counts = host_load.Snapshot.take(), allocator_counts(device)
+        before, counts, reserved = host_load.Snapshot.take(), allocator_counts(device), reserved_gb(device)
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters)
         row["allocator_calls"] = allocator_calls(counts, allocator_counts(device))  # over the timed loop
+        row["reserved_gpu_GB"] = None if reserved is None else {"start": reserved, "end": reserved_gb(device)}
         row["openmp_runtimes"] = host_load.openmp_runtimes()  # the CPU kernel, if any, is loaded by now
         load = {**host_load.between(before, host_load.Snapshot.take()), "copy_GBps": copy_gbps,
                 "slowest_vcpu": None if not speeds else min(speeds.values()),

@@ -147,7 +147,7 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     if system.startswith("ours"):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
     assert row["openmp_runtimes"] is None or all(os.path.isfile(p) for p in row["openmp_runtimes"])
-    assert row["allocator_calls"] is None  # no GPU allocator here
+    assert row["allocator_calls"] is None and row["reserved_gpu_GB"] is None  # no GPU allocator here
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
     assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal", "vcpu_speeds"]

@@ -15,4 +15,8 @@ def test_a_row_on_the_gpu_counts_the_allocators_driver_calls_and_names_the_openm
     assert row["status"] == "ok", row.get("traceback")
     calls = row["allocator_calls"]
     assert {"cudaMalloc", "cudaFree", "retries"} <= set(calls) and all(v >= 0 for v in calls.values()), calls
+    reserved = row["reserved_gpu_GB"]  # held from the driver at the timed loop's start and end
+    assert 0 < reserved["start"] <= torch.cuda.get_device_properties(0).total_memory / 1e9, reserved
+    if calls["cudaFree"] == 0:  # nothing given back: what the allocator holds can only have grown
+        assert reserved["end"] >= reserved["start"], (reserved, calls)
     assert row["openmp_runtimes"], "torch's intra-op threads run on an OpenMP runtime, mapped by now"
