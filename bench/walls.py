@@ -87,6 +87,24 @@ def _fmt(value: float | None) -> str:
     return _num(value, 3)
 
 
+def new_segments(row: dict) -> int | None:
+    """The segments the GPU allocator took from the driver over the timed loop (``bench.run_system``); None for
+    rows without them (before 2026-12-04, or no GPU) and under expandable segments, which grow one segment by
+    mapping pages that this count leaves out."""
+    if "expandable_segments:True" in str(row.get("settings")):
+        return None
+    return (row.get("allocator_calls") or {}).get("cudaMalloc")
+
+
+def _segments(row: dict) -> str:
+    """``new_segments`` and what the allocator held at the timed loop's start and end: a count that stays high
+    with the reserved GB still growing is memory a longer run keeps taking."""
+    count = new_segments(row)
+    reserved = row.get("reserved_gpu_GB")
+    held = f" ({reserved['start']:.1f} -> {reserved['end']:.1f})" if reserved else ""
+    return "-" if count is None else f"{count}{held}"
+
+
 def _batch(row: dict) -> tuple:
     return row["model"], row.get("data_seed", DATA_SEED)
 
@@ -111,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
           "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
-          "| loss vs reference |\n" + "|---" * 15 + "|")
+          "| new GPU segments (reserved GB) | loss vs reference |\n" + "|---" * 16 + "|")
     seen, by_model, fills = set(), {}, {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
@@ -128,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
               f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | "
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
-              f"{_num(host['copy_GBps'], 1)} | {gap} |")
+              f"{_num(host['copy_GBps'], 1)} | {_segments(row)} | {gap} |")
         if r["prefetched"] is not None:  # fills during backward against backward's host seconds
             fills.setdefault(row["model"], []).append((r["prefetched"], backward))
         for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),
@@ -136,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                             ("the host copy's GB/s", host["copy_GBps"]),
                             ("the slowest vCPU's speed over the fastest's", host["slowest_vcpu"]),
                             ("the subgroups filled during backward", r["prefetched"]),
+                            ("the GPU allocator's new segments", new_segments(row)),
                             ("backward's host seconds", backward)):
             if value is not None:
                 by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))
