@@ -184,7 +184,9 @@ def test_openmp_runtimes_name_the_one_torch_runs_its_threads_on():
 def test_vcpu_speeds_find_the_cpu_another_process_shares():
     """A process spinning on the first CPU takes most of it from a probe run at the lowest priority (so the
     scheduler cannot hand the probe its share back within the short timing): that CPU reads slowest, the
-    fastest reads 1.0, and the probe's thread may run on every CPU again after."""
+    fastest reads 1.0, and the probe's thread may run on every CPU again after. Up to three probes: other work
+    on the other CPUs (another test run beside this one) slows them as well, and a probe then reads no CPU
+    slowest by far; a probe that does not bind its thread never reads one."""
     from bench.cpu_kernel import spinning_on
 
     allowed = os.sched_getaffinity(0)
@@ -192,13 +194,19 @@ def test_vcpu_speeds_find_the_cpu_another_process_shares():
     probe = ("import json, os\nfrom bench import host_load\nos.nice(19)\nallowed = os.sched_getaffinity(0)\n"
              "speeds = host_load.vcpu_speeds(count=300_000)\n"
              "print(json.dumps({'speeds': speeds, 'restored': os.sched_getaffinity(0) == allowed}))")
-    with spinning_on(first):
-        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parents[1]).stdout
-    got = json.loads(out)
-    speeds = {int(cpu): v for cpu, v in got["speeds"].items()}
-    assert set(speeds) == allowed and max(speeds.values()) == 1.0 and got["restored"]
-    assert speeds[first] < 0.5 and speeds[first] == min(speeds.values()), speeds
+    readings = []
+    for _ in range(3):
+        with spinning_on(first):
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                 cwd=Path(__file__).resolve().parents[1]).stdout
+        got = json.loads(out)
+        speeds = {int(cpu): v for cpu, v in got["speeds"].items()}
+        assert set(speeds) == allowed and max(speeds.values()) == 1.0 and got["restored"]
+        readings.append(speeds)
+        if speeds[first] < 0.5 and speeds[first] == min(speeds.values()):
+            break
+    else:
+        raise AssertionError(f"the CPU another process spins on never read slowest by half: {readings}")
 
 
 def test_host_load_reads_the_steal_and_busy_shares_and_the_preemptions_between_two_snapshots():
