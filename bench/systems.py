@@ -362,6 +362,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # may run the other way). Timed in H200 calls 128-129, where the defaults' rows counted 19-34 new segments in
     # each timed loop: x1.042 in the median of 7 paired rounds, faster in 3; not kept
     "ours_offload_overlap_spec_prefetch_bf16_expandable": defaults(allocator="expandable_segments:True"),
+    # the defaults with blocks over 256 MB never split by the CUDA caching allocator: a 400 MB slot freed after an
+    # update (16 B x 25M elements at 1.36B) then stays whole for the next fill, instead of being split by the
+    # next forward's activations, which would send the fill to the driver for a new segment (the defaults' 19-34
+    # new segments per timed loop, calls 125-129); to pair with the defaults over a long timed loop
+    "ours_offload_overlap_spec_prefetch_bf16_maxsplit": defaults(allocator="max_split_size_mb:256"),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -624,17 +624,19 @@ def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suf
     assert row["losses"][-1] < row["losses"][0]
 
 
-def test_an_allocator_variant_of_ours_says_its_setting_and_sets_it_only_on_a_gpu(monkeypatch):
-    """The `_expandable` system names its CUDA allocator setting in the row's settings; without a GPU it leaves
-    the allocator alone (there is none) and trains as the defaults do."""
+@pytest.mark.parametrize("variant,setting", [("expandable", "expandable_segments:True"),
+                                             ("maxsplit", "max_split_size_mb:256")])
+def test_an_allocator_variant_of_ours_says_its_setting_and_sets_it_only_on_a_gpu(variant, setting, monkeypatch):
+    """An allocator variant names its CUDA allocator setting in the row's settings; without a GPU it leaves the
+    allocator alone (there is none) and trains as the defaults do."""
     from bench.systems import SYSTEMS
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
-    trainer = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_expandable"]("tiny", torch.device("cpu"), 1)
-    assert "CUDA allocator expandable_segments:True" in trainer.settings and calls == []
-    row = run_system.run("ours_offload_overlap_spec_prefetch_bf16_expandable", "tiny", None, iters=2, warmup=1,
-                         micro_batch=1, seq=16, device=torch.device("cpu"))
+    name = f"ours_offload_overlap_spec_prefetch_bf16_{variant}"
+    trainer = SYSTEMS[name]("tiny", torch.device("cpu"), 1)
+    assert f"CUDA allocator {setting}" in trainer.settings and calls == []
+    row = run_system.run(name, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")
 
 
