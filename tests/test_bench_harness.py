@@ -624,6 +624,25 @@ def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suf
     assert row["losses"][-1] < row["losses"][0]
 
 
+@needs_compiler
+def test_the_release_variant_of_ours_releases_the_slots_filled_ahead_at_their_flush(monkeypatch):
+    """`_release` sets ``engine.RELEASE_FILLED_AT_FLUSH`` for its process (each bench system runs in its own),
+    says so in the row's settings, and trains; the library's default leaves it off."""
+    from bench.systems import SYSTEMS
+    from deep_optimizer_states.core import engine
+
+    assert engine.RELEASE_FILLED_AT_FLUSH is False
+    monkeypatch.setattr(engine, "RELEASE_FILLED_AT_FLUSH", False)  # put back after this test
+    plain = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16"]("tiny", torch.device("cpu"), 1)
+    assert "released at their flush" not in plain.settings
+    trainer = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_release"]("tiny", torch.device("cpu"), 1)
+    assert engine.RELEASE_FILLED_AT_FLUSH is True and "slots filled ahead released at their flush" in trainer.settings
+    row = run_system.run("ours_offload_overlap_spec_prefetch_bf16_release", "tiny", None, iters=2, warmup=1,
+                         micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+    assert row["losses"][-1] < row["losses"][0]
+
+
 @pytest.mark.parametrize("variant,setting", [("expandable", "expandable_segments:True"),
                                              ("maxsplit", "max_split_size_mb:256")])
 def test_an_allocator_variant_of_ours_says_its_setting_and_sets_it_only_on_a_gpu(variant, setting, monkeypatch):

@@ -515,7 +515,7 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(ah
     update, flush = opt.engine._update_staged, opt.engine._flush
     opt.engine._update_staged = lambda job, slot, *a: log.append(("update", job.subgroup.index, slot is None)) \
         or update(job, slot, *a)
-    opt.engine._flush = lambda out: log.append(("flush", out.subgroup.index)) or flush(out)
+    opt.engine._flush = lambda out, *rest: log.append(("flush", out.subgroup.index)) or flush(out, *rest)
     filled = _train(model, opt, steps=2)
     staged = [sg.index for sg, p in zip(opt.layout.subgroups, opt.placements) if p is Placement.STAGED]
     order = sorted(staged, key=lambda i: opt._need_order.get(i, len(opt._need_order)))
@@ -533,6 +533,47 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(ah
     twin, ref = _build(False, "llama")
     _train(twin, ref, steps=2)
     _assert_same(_masters(model, opt), _masters(twin, ref))
+
+
+@pytest.mark.parametrize("ahead_last", [True, False], ids=["ahead-last", "in-order"])
+def test_slots_filled_ahead_leave_the_update_at_their_flush_with_the_same_result(ahead_last, monkeypatch):
+    """``engine.RELEASE_FILLED_AT_FLUSH``: a slot filled ahead is let go once its flush is enqueued (on a GPU
+    the allocator hands it out again after that flush has run), not when the update ends, which with
+    ``overlap`` is during the next forward: at each later flush no slot flushed before is referenced any more.
+    Each one is asked to wait for the update's and the flush's streams. The result is the same bit for bit."""
+    import weakref
+
+    from deep_optimizer_states.core import engine
+    from deep_optimizer_states.core.slots import Ahead
+
+    monkeypatch.setattr(engine, "FLUSH_AHEAD_LAST", ahead_last)
+    runs, release_after = [], Ahead.release_after
+    for release in (False, True):
+        monkeypatch.setattr(engine, "RELEASE_FILLED_AT_FLUSH", release)
+        model, opt = _build(True, "llama", overlap=True)
+        flushed, alive_at_flush, asked = [], [], []
+        flush = opt.engine._flush
+
+        def watching(out, ahead):
+            alive_at_flush.append(sum(ref() is not None for ref in flushed))
+            filled = out.slot is None
+            slot = weakref.ref(out.states[0]) if filled else None
+            out = flush(out, ahead)
+            if filled:
+                flushed.append(slot)
+
+        opt.engine._flush = watching
+        monkeypatch.setattr(Ahead, "release_after", lambda self, *streams: asked.append(len(streams))
+                            or release_after(self, *streams))
+        filled = _train(model, opt, steps=3)
+        assert filled[-1] >= 2, "subgroups filled ahead, more than one"
+        if release:
+            assert asked == [2] * len(flushed) and not any(alive_at_flush), \
+                "every slot filled ahead let go at its flush, on the update's and the flush's streams"
+        else:
+            assert not asked and any(alive_at_flush), "held until the update's end"
+        runs.append(_masters(model, opt))
+    _assert_same(*runs)
 
 
 def test_once_the_room_runs_out_the_gradients_hooks_stop_asking_until_the_step():

@@ -62,6 +62,11 @@ DEFAULT_STAGING_SLOTS = 4
 # 204), in none of 12 runs with this order (0 of 144), the walls' spread 0.051 against 0.019 s (median sd;
 # H200 calls 63-70, bench/walls.py), the iteration's median within the runs' spread. False: the update's order.
 FLUSH_AHEAD_LAST = True
+# A slot filled ahead is held until the update's end, which with ``overlap`` runs into the next forward: that
+# forward's activations and the last update's fills are then on the GPU at once. True: each such slot goes back
+# to the allocator once its flush is enqueued, reused only after its streams have run that far (``Ahead.
+# release_after``). Off until measured on the GPU against the defaults (peak, new segments, iteration).
+RELEASE_FILLED_AT_FLUSH = False
 
 
 @dataclass
@@ -277,7 +282,8 @@ class Engine:
         id(param), ``on_written(index, event)``, told as each subgroup's params are written, and
         ``on_settled(index, event)``, as its host states are (a staged one's flush enqueued). ``ahead``:
         staged subgroups whose states are already in slots of their own (subgroup index -> ``Ahead``), held
-        here until every stream is done with them."""
+        here until every stream is done with them (``RELEASE_FILLED_AT_FLUSH``: each taken out of the dict at
+        its flush, for the allocator to reuse once that flush has run)."""
         residents = residents if residents is not None else Residents(self.device)
         landed, ahead = landed or {}, ahead or {}
         self._on_written, self._on_settled = on_written or _ignore, on_settled or _ignore
@@ -295,6 +301,7 @@ class Engine:
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
         jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
+        filled_ahead = set(ahead)  # ``ahead`` loses its entries as their slots go (RELEASE_FILLED_AT_FLUSH)
         on_cpu = [j for j in jobs if j.placement is Placement.CPU]
         bf16 = {j.subgroup.index for j in on_cpu if self.takes_bf16(j.subgroup)}
         feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
@@ -312,18 +319,19 @@ class Engine:
             staged = [j for j in jobs if j.placement is Placement.STAGED]
             updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index])
                        for j in staged if j.subgroup.index in ahead}  # params first: the next forward waits for them
-            turn, later = 0, []
+            turn, later, out = 0, [], None
             for job in staged:  # flushed in order (the next backward fills in this order), but see FLUSH_AHEAD_LAST
-                out = updated.get(job.subgroup.index)
+                out = updated.pop(job.subgroup.index, None)
                 if out is None:
                     out = self._update_staged(job, slots[turn % len(slots)], multipliers, grads)
                     turn += 1
                 elif FLUSH_AHEAD_LAST:
                     later.append(out)
                     continue
-                self._flush(out)
-            for out in later:
-                self._flush(out)
+                self._flush(out, ahead)
+            out = None  # from here on, no reference to a slot filled ahead but its entry (RELEASE_FILLED_AT_FLUSH)
+            while later:
+                self._flush(later.pop(0), ahead)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
             wait(pending)
             for lane in self.lanes.values():
@@ -341,7 +349,8 @@ class Engine:
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
         stats.admitted, stats.timeline = len(fresh), timeline
-        filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
+        filled = [j.subgroup.numel for j in jobs
+                  if j.placement is Placement.STAGED and j.subgroup.index in filled_ahead]
         stats.prefetched, stats.prefetched_elements = len(filled), sum(filled)
         stats.speculated = sum(j.ran_ahead is not None for j in jobs)
         stats.speculated_elements = sum(j.subgroup.numel for j in jobs if j.ran_ahead is not None)
@@ -464,8 +473,10 @@ class Engine:
         self._on_written(sg.index, written)
         return _Flush(sg, (p, m, v), written, slot)
 
-    def _flush(self, out: _Flush) -> None:
-        """A staged subgroup's states back to the host, after its update; its slot is free again after that."""
+    def _flush(self, out: _Flush, ahead: dict[int, Ahead]) -> None:
+        """A staged subgroup's states back to the host, after its update; its slot is free again after that
+        (a staging slot for the next subgroup; one filled ahead, with ``RELEASE_FILLED_AT_FLUSH``, for the
+        allocator: taken out of ``ahead``, whose caller holds no other reference)."""
         sg = out.subgroup
         self.stage_out.wait(out.written)
         with self.stage_out.run(f"sg{sg.index}"):
@@ -474,6 +485,8 @@ class Engine:
         flushed = self.stage_out.record()
         if out.slot is not None:
             out.slot.free = flushed
+        elif RELEASE_FILLED_AT_FLUSH:
+            ahead.pop(sg.index).release_after(self.gpu.stream, self.stage_out.stream)
         self._on_settled(sg.index, flushed)
 
     @staticmethod

@@ -83,7 +83,7 @@ class Prefetch:
             with self.lane.run(timed=False):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
-            self.ready[sg.index] = Ahead(p, g, m, v, self.lane.record())
+            self.ready[sg.index] = Ahead(p, g, m, v, self.lane.record(), self.lane.stream)
             room -= need
             added += 1
             self._next += 1

@@ -25,11 +25,20 @@ class Slot:
 
 @dataclass
 class Ahead:
-    """One subgroup's states in a slot of their own: p, g, m, v (g is written by the update), and the event
-    after which p, m and v hold the host's values."""
+    """One subgroup's states in a slot of their own: p, g, m, v (g is written by the update), the event
+    after which p, m and v hold the host's values, and the stream that copied them in (None on the CPU)."""
 
     p: torch.Tensor
     g: torch.Tensor
     m: torch.Tensor
     v: torch.Tensor
     loaded: object
+    stream: object = None
+
+    def release_after(self, *streams: object) -> None:
+        """Let the allocator hand this slot's memory out again once the work enqueued so far on its copy-in
+        stream and on ``streams`` has run, instead of when the last reference goes (``record_stream``: p, g,
+        m and v are views of one allocation). The caller then drops its references."""
+        for stream in (self.stream, *streams):
+            if stream is not None:
+                self.p.record_stream(stream)

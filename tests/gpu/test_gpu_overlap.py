@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.core import engine
 from deep_optimizer_states.planning.perfmodel import Window
 from deep_optimizer_states.planning.plan import Planner
 from deep_optimizer_states.planning.refine import Refiner
@@ -75,10 +76,11 @@ def test_overlap_equals_the_synchronous_update_bit_for_bit(schedule, stream):
     _same_run(model, ours, twin, ref, seed, "the forward read params the update had not written yet")
 
 
+@pytest.mark.parametrize("release", [False, True], ids=["held", "released"])
 @pytest.mark.parametrize("schedule", [3, "gpu", "offload"], ids=str)
 @pytest.mark.parametrize("overlap,joined", [(False, True), (True, True), (True, False)],
                          ids=["sync", "overlap", "overlap-flushing"])
-def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, joined, monkeypatch):
+def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, joined, release, monkeypatch):
     """prefetch=True on real streams: the staged subgroups' states come in during backward (the budget
     leaves room for all of them here), and the result is the run without prefetch, bit for bit. "offload"
     must place alike in both runs (the CPU kernel's bits are not CUDA's): both plan on the same calibration
@@ -86,7 +88,10 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, jo
     the window are held still (a synchronous update without prefetch teaches the refiner, one with prefetch
     does not; prefetch gives the window its fills, and with overlap both learn its rest). Unless
     ``joined``, backward starts while the last update may still flush: each fill waits on the GPU for its
-    own subgroup's flush event."""
+    own subgroup's flush event. ``release`` (``engine.RELEASE_FILLED_AT_FLUSH``): each slot filled ahead goes
+    back to the allocator at its flush, and the next forward's and backward's tensors may take its memory as
+    soon as the streams that use it have run that far: a stream left out would show as changed bits."""
+    monkeypatch.setattr(engine, "RELEASE_FILLED_AT_FLUSH", release)
     monkeypatch.setattr(Refiner, "learn", lambda *args, **kwargs: None)
     monkeypatch.setattr(Planner, "window", property(lambda self: Window()))
     runs, filled, placed = [], [], []
