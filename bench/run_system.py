@@ -104,8 +104,8 @@ def allocator_counts(device: torch.device) -> dict[str, int] | None:
 
 
 def reserved_gb(device: torch.device) -> float | None:
-    """GB the caching allocator holds from the driver now (what nvidia-smi shows of this process, less the
-    context); None without a GPU. Growth with no ``cudaFree`` is memory a longer run keeps taking."""
+    """GB torch's caching allocator holds from the driver now (``torch.cuda.memory_reserved``); None without a
+    GPU. Growth with no ``cudaFree`` is memory a longer run keeps taking."""
     return round(torch.cuda.memory_reserved(device) / 1e9, 2) if device.type == "cuda" else None
 
 
