@@ -62,14 +62,13 @@ def _plain(model: torch.nn.Module, opt: torch.optim.Optimizer, device: torch.dev
 
 def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False, max_grad_norm: float | None = None,
          spare_cores: int = 0, checkpointing: bool = False,
-         path_threads: int | None = None, prefetch: bool = False,
+         path_threads: int | None = None, prefetch: bool | str = False,
          speculate: bool | int = False, bf16_cpu_path: bool = False,
          subgroup_size: int | None = None,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
          flush_ahead_last: bool | None = None,
-         release_filled_at_flush: bool | None = None,
          kernel_defines: tuple[str, ...] = (),
          allocator: str | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
@@ -77,7 +76,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
     ``path_threads`` runs the CPU path's AdamW on that many threads after planning (the plan is unchanged:
     does a throttled CPU leave the staged copies more host memory bandwidth?); ``prefetch`` fills the staged
-    subgroups' slots during backward; ``speculate`` runs the CPU path's update ahead during backward;
+    subgroups' slots during backward ("release": each given back at its flush); ``speculate`` runs the CPU path's update ahead during backward;
     ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel);
     ``subgroup_size``: elements per subgroup (the optimizer's default when None); ``launch_share``: the share
     of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;
@@ -87,8 +86,6 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
-    ``release_filled_at_flush``: ``engine.RELEASE_FILLED_AT_FLUSH`` for this process (True: each slot filled
-    ahead goes back to the allocator at its flush, not at the update's end);
     ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
     (variant) as the library's; ``allocator``: torch's CUDA allocator settings for this process, in
     ``PYTORCH_CUDA_ALLOC_CONF``'s form (set before the model is built; no effect without a GPU)."""
@@ -99,8 +96,6 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             plan_module.FILL_CAP = fill_cap
         if flush_ahead_last is not None:
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
-        if release_filled_at_flush is not None:
-            engine_module.RELEASE_FILLED_AT_FLUSH = release_filled_at_flush
         if allocator is not None and device.type == "cuda":
             torch.cuda.memory._set_allocator_settings(allocator)
         model = llama(preset, torch.bfloat16, device)
@@ -183,7 +178,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
         return Trainer(model, lambda ids: model(input_ids=ids, labels=ids).loss, lambda loss: loss.backward(),
                        step, sum(p.numel() for p in model.parameters()), extra,
                        f"DeepOptimizerStates(schedule={schedule!r}, stream_grads={stream_grads}, overlap={overlap}, "
-                       f"max_grad_norm={max_grad_norm}, cpu_threads={threads}, prefetch={prefetch}, "
+                       f"max_grad_norm={max_grad_norm}, cpu_threads={threads}, prefetch={prefetch!r}, "
                        f"speculate={speculate}, bf16_cpu_path={bf16_cpu_path}"
                        + ("" if subgroup_size is None else f", subgroup_size={subgroup_size}") + "), "
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
@@ -192,8 +187,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + "CPU path's params up by the copy engine, "
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
-                       + ("slots filled ahead released at their flush, " if engine_module.RELEASE_FILLED_AT_FLUSH
-                          else "")
+                       + ("slots filled ahead released at their flush, " if prefetch == "release" else "")
                        + "".join(f"the bf16 kernel {cpu_adamw.KERNEL_DEFINES[d]}, " for d in kernel_defines)
                        + (f"CUDA allocator {allocator}, " if allocator else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
@@ -205,8 +199,9 @@ def defaults(clip: bool = False, **variant) -> Callable[[str, torch.device, int]
     """The library's settings with every state on the host (README: ``schedule="offload"``, gradients streamed,
     the update overlapped, fills and updates run ahead during backward, the bf16 CPU path), clipped at ``CLIP``
     with ``clip``; ``variant``: what a variant of them changes (``ours``' other arguments)."""
-    return ours("offload", stream_grads=True, overlap=True, speculate=True, prefetch=True, bf16_cpu_path=True,
-                max_grad_norm=CLIP if clip else None, **variant)
+    settings = dict(stream_grads=True, overlap=True, speculate=True, prefetch=True, bf16_cpu_path=True,
+                    max_grad_norm=CLIP if clip else None)
+    return ours("offload", **{**settings, **variant})
 
 
 def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
@@ -374,12 +369,13 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # next forward's activations, which would send the fill to the driver for a new segment (the defaults' 19-34
     # new segments per timed loop, calls 125-129); to pair with the defaults over a long timed loop
     "ours_offload_overlap_spec_prefetch_bf16_maxsplit": defaults(allocator="max_split_size_mb:256"),
-    # the defaults with each slot filled ahead released at its flush (engine.RELEASE_FILLED_AT_FLUSH), not at the
+    # the defaults with each slot filled ahead released at its flush (prefetch="release"), not at the
     # update's end, which is during the next forward: at 1.36B the peak went with the need measured over forward
     # and backward (r = 0.96-0.98 over calls 119-129's runs, 19-29 GB), which the last update's fills, 8-20
-    # slots of 400 MB held into that forward, may swell; to pair with the defaults (peak, new segments, iteration)
-    "ours_offload_overlap_spec_prefetch_bf16_release": defaults(release_filled_at_flush=True),
-    "ours_offload_overlap_clip_spec_prefetch_bf16_release": defaults(clip=True, release_filled_at_flush=True),
+    # slots of 400 MB held into that forward, may swell. Calls 130-135 (2 rounds against the defaults): peak 44.35
+    # -> 28.47 GB, the iteration x1.060
+    "ours_offload_overlap_spec_prefetch_bf16_release": defaults(prefetch="release"),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_release": defaults(clip=True, prefetch="release"),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -29,7 +29,7 @@ from .core.slots import SLOT_BYTES_PER_ELEMENT
 from .core.ranks import RankSync, local_ranks, shard_group, use_cpu_threads
 from .core.schedule import Placement, Schedule
 from .core.speculate import LAUNCH_SHARE, Speculation
-from .options import check_options
+from .options import PREFETCH_RELEASE, check_options
 from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
 
@@ -104,7 +104,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         gpu_memory_budget: int | float | None = None,
         stream_grads: bool = False,
         overlap: bool = False,
-        prefetch: bool = False,
+        prefetch: bool | str = False,
         speculate: bool | int = False,
         bf16_cpu_path: bool = False,
         model: nn.Module | None = None,
@@ -162,7 +162,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                              None if self.group is None else functools.partial(torch.distributed.barrier,
                                                                                group=self.group))
         self.layout.before_host_write = _weak(self._evict_param)
-        self.engine = Engine(self.device, bf16_cpu_path)
+        self.engine = Engine(self.device, bf16_cpu_path, release_at_flush=prefetch == PREFETCH_RELEASE)
         if bf16_cpu_path and not RankSync(self.group, self.device).everyone(self.engine.bf16_kernel is not None):
             if self.engine.bf16_kernel is not None:
                 warnings.warn("bf16_cpu_path: the kernel did not load on another rank; every rank keeps torch's "
@@ -181,7 +181,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                                provisional="cpu" if stream_grads else "auto", sync=RankSync(self.group, self.device),
                                bf16=self.engine.bf16_kernel is not None
                                and all(sg.bf16 for sg in self.layout.subgroups),
-                               ahead_cap=speculate * largest, overlap=overlap, prefetch=prefetch)
+                               ahead_cap=speculate * largest, overlap=overlap, prefetch=bool(prefetch))
         self._stepped_at: float | None = None  # when the last step() began (the overlapped iteration's length)
         self._timed_update: UpdateStats | None = None  # the update whose step that was
         self._largest_input = 0

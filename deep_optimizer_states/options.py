@@ -11,6 +11,7 @@ from .core.speculate import DEFAULT_SPECULATIVE_SUBGROUPS
 from .planning.budget import validate_budget
 
 NONFINITE_POLICIES = ("skip", "raise")
+PREFETCH_RELEASE = "release"  # prefetch's value for the slots filled ahead given back at their flush
 
 
 def _positive_int(value: Any) -> bool:
@@ -35,13 +36,15 @@ def check_options(*, subgroup_size: Any, staging_slots: Any, betas: Any, max_gra
         raise ValueError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {nonfinite!r}")
     validate_schedule(schedule)
     validate_budget(gpu_memory_budget)
-    for name, value in (("stream_grads", stream_grads), ("overlap", overlap), ("prefetch", prefetch),
-                        ("bf16_cpu_path", bf16_cpu_path)):
+    for name, value in (("stream_grads", stream_grads), ("overlap", overlap), ("bf16_cpu_path", bf16_cpu_path)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
+    if not (isinstance(prefetch, bool) or (isinstance(prefetch, str) and prefetch == PREFETCH_RELEASE)):
+        raise ValueError(f"prefetch must be True, False or {PREFETCH_RELEASE!r} (each slot filled ahead given back "
+                         f"at its flush: a lower GPU peak), got {prefetch!r}")
     if prefetch and not stream_grads:
-        raise ValueError("prefetch=True needs stream_grads=True: the copies start from its gradient hooks in "
-                         "backward")
+        raise ValueError(f"prefetch={prefetch!r} needs stream_grads=True: the copies start from its gradient hooks "
+                         "in backward")
     if isinstance(speculate, bool):
         speculate = DEFAULT_SPECULATIVE_SUBGROUPS if speculate else 0
     if not isinstance(speculate, int) or speculate < 0:

@@ -625,18 +625,17 @@ def test_a_kernel_build_variant_of_ours_runs_that_build_in_the_librarys_form(suf
 
 
 @needs_compiler
-def test_the_release_variant_of_ours_releases_the_slots_filled_ahead_at_their_flush(monkeypatch):
-    """`_release` sets ``engine.RELEASE_FILLED_AT_FLUSH`` for its process (each bench system runs in its own),
-    says so in the row's settings, and trains; the library's default leaves it off."""
+def test_the_release_variant_of_ours_releases_the_slots_filled_ahead_at_their_flush():
+    """`_release` builds the defaults with ``prefetch="release"``, says so in the row's settings, and trains;
+    the defaults hold the slots filled ahead until the update's end."""
     from bench.systems import SYSTEMS
-    from deep_optimizer_states.core import engine
 
-    assert engine.RELEASE_FILLED_AT_FLUSH is False
-    monkeypatch.setattr(engine, "RELEASE_FILLED_AT_FLUSH", False)  # put back after this test
     plain = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16"]("tiny", torch.device("cpu"), 1)
-    assert "released at their flush" not in plain.settings
+    assert not plain.optimizer.engine.release_at_flush and "released at their flush" not in plain.settings
+    assert "prefetch=True" in plain.settings
     trainer = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_release"]("tiny", torch.device("cpu"), 1)
-    assert engine.RELEASE_FILLED_AT_FLUSH is True and "slots filled ahead released at their flush" in trainer.settings
+    assert trainer.optimizer.engine.release_at_flush
+    assert "prefetch='release'" in trainer.settings and "slots filled ahead released at their flush" in trainer.settings
     row = run_system.run("ours_offload_overlap_spec_prefetch_bf16_release", "tiny", None, iters=2, warmup=1,
                          micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")

@@ -27,7 +27,7 @@ GB = 10**9
 UNLIMITED = 10**15
 
 
-def _build(prefetch: bool, kind: str = "mlp", room: int = UNLIMITED, **kwargs) -> tuple:
+def _build(prefetch: bool | str, kind: str = "mlp", room: int = UNLIMITED, **kwargs) -> tuple:
     model = (mlp if kind == "mlp" else tiny_llama)(torch.bfloat16, "cpu", seed=5)
     size = sum(p.numel() for p in model.parameters()) // 9
     kwargs = {"schedule": 2, "lr": 3e-3, "weight_decay": 0.1, **kwargs}
@@ -177,11 +177,16 @@ def test_no_room_no_slots_and_the_same_result():
     assert _train(model, opt, steps=3) == [0, 0, 0]
 
 
-def test_prefetch_needs_stream_grads_and_a_bool():
+def test_prefetch_needs_stream_grads_and_a_bool_or_release():
     with pytest.raises(ValueError, match="prefetch=True needs stream_grads=True"):
         DeepOptimizerStates(mlp(), prefetch=True)
-    with pytest.raises(ValueError, match="prefetch must be True or False"):
-        DeepOptimizerStates(mlp(), stream_grads=True, prefetch="yes")
+    with pytest.raises(ValueError, match="prefetch='release' needs stream_grads=True"):
+        DeepOptimizerStates(mlp(), prefetch="release")
+    for bad in ("yes", "rel", 1.0, None):
+        with pytest.raises(ValueError, match="prefetch must be True, False or 'release'"):
+            DeepOptimizerStates(mlp(), stream_grads=True, prefetch=bad)
+    assert DeepOptimizerStates(mlp(), stream_grads=True, prefetch="release").engine.release_at_flush
+    assert not DeepOptimizerStates(mlp(), stream_grads=True, prefetch=True).engine.release_at_flush
 
 
 def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
@@ -537,7 +542,7 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(ah
 
 @pytest.mark.parametrize("ahead_last", [True, False], ids=["ahead-last", "in-order"])
 def test_slots_filled_ahead_leave_the_update_at_their_flush_with_the_same_result(ahead_last, monkeypatch):
-    """``engine.RELEASE_FILLED_AT_FLUSH``: a slot filled ahead is let go once its flush is enqueued (on a GPU
+    """``prefetch="release"``: a slot filled ahead is let go once its flush is enqueued (on a GPU
     the allocator hands it out again after that flush has run), not when the update ends, which with
     ``overlap`` is during the next forward: at each later flush no slot flushed before is referenced any more.
     Each one is asked to wait for the update's and the flush's streams. The result is the same bit for bit."""
@@ -549,8 +554,7 @@ def test_slots_filled_ahead_leave_the_update_at_their_flush_with_the_same_result
     monkeypatch.setattr(engine, "FLUSH_AHEAD_LAST", ahead_last)
     runs, release_after = [], Ahead.release_after
     for release in (False, True):
-        monkeypatch.setattr(engine, "RELEASE_FILLED_AT_FLUSH", release)
-        model, opt = _build(True, "llama", overlap=True)
+        model, opt = _build("release" if release else True, "llama", overlap=True)
         flushed, alive_at_flush, asked = [], [], []
         flush = opt.engine._flush
 

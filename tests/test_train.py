@@ -107,6 +107,8 @@ def test_check_is_the_old_self_check(tmp_path):
     (["--resume"], "--resume needs --checkpoint-dir"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir"),
     (["--prefetch"], "--prefetch needs --stream-grads"),
+    (["--prefetch", "release"], "--prefetch needs --stream-grads"),
+    (["--stream-grads", "--prefetch", "hold"], "argument --prefetch: invalid choice"),
     (["--speculate", "--overlap"], "--speculate needs --stream-grads"),
     (["--hidden", "100"], "--hidden must be a multiple of 64"),
     (["--data", "/nonexistent/file.txt"], "data:"),
@@ -160,10 +162,11 @@ def test_stream_grads_and_overlap_train_the_same_curve(tmp_path):
     dos("train", *common, "--overlap", "--summary-json", str(tmp_path / "overlap.json"), cache=tmp_path)
     overlap = json.loads((tmp_path / "overlap.json").read_text())
     assert overlap["losses"] == plain["losses"] and overlap["final_eval_loss"] == plain["final_eval_loss"]
-    dos("train", *common, "--stream-grads", "--prefetch", "--summary-json", str(tmp_path / "prefetch.json"),
-        cache=tmp_path)  # no GPU memory to fill here: the flag reaches the optimizer, the curve stays
-    prefetch = json.loads((tmp_path / "prefetch.json").read_text())
-    assert prefetch["losses"] == plain["losses"]
+    for value in ([], ["release"]):
+        dos("train", *common, "--stream-grads", "--prefetch", *value, "--summary-json", str(tmp_path / "prefetch.json"),
+            cache=tmp_path)  # no GPU memory to fill here: the flag reaches the optimizer, the curve stays
+        prefetch = json.loads((tmp_path / "prefetch.json").read_text())
+        assert prefetch["losses"] == plain["losses"]
     dos("train", *common, "--stream-grads", "--speculate", "--overlap", "--summary-json",
         str(tmp_path / "speculate.json"), cache=tmp_path)
     speculate = json.loads((tmp_path / "speculate.json").read_text())

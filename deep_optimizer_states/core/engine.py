@@ -62,11 +62,6 @@ DEFAULT_STAGING_SLOTS = 4
 # 204), in none of 12 runs with this order (0 of 144), the walls' spread 0.051 against 0.019 s (median sd;
 # H200 calls 63-70, bench/walls.py), the iteration's median within the runs' spread. False: the update's order.
 FLUSH_AHEAD_LAST = True
-# A slot filled ahead is held until the update's end, which with ``overlap`` runs into the next forward: that
-# forward's activations and the last update's fills are then on the GPU at once. True: each such slot goes back
-# to the allocator once its flush is enqueued, reused only after its streams have run that far (``Ahead.
-# release_after``). Off until measured on the GPU against the defaults (peak, new segments, iteration).
-RELEASE_FILLED_AT_FLUSH = False
 
 
 @dataclass
@@ -223,10 +218,15 @@ class _GradFeed:
 class Engine:
     """Runs updates for one device; holds its lanes and its CPU worker, nothing between steps."""
 
-    def __init__(self, device: torch.device, bf16_cpu_path: bool = False) -> None:
+    def __init__(self, device: torch.device, bf16_cpu_path: bool = False, release_at_flush: bool = False) -> None:
         """``bf16_cpu_path``: CPU-placed subgroups of bf16 params whose gradients are sent at the update take
-        the bf16 kernel of ``cpu_adamw.py`` (if it builds here and matches torch's kernel; else torch's)."""
+        the bf16 kernel of ``cpu_adamw.py`` (if it builds here and matches torch's kernel; else torch's).
+        ``release_at_flush`` (``prefetch="release"``): each slot filled ahead goes back to the allocator once its
+        flush is enqueued, reused only after its streams have run that far (``Ahead.release_after``), instead of
+        at the update's end, which with ``overlap`` runs into the next forward: that forward's activations and
+        the last update's fills are then not on the GPU at once."""
         self.device = device = indexed(device)
+        self.release_at_flush = release_at_flush
         self.bf16_kernel = cpu_adamw.load() if bf16_cpu_path else None
         names = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident")
         self.lanes = {name: Lane(device) for name in names}
@@ -282,8 +282,8 @@ class Engine:
         id(param), ``on_written(index, event)``, told as each subgroup's params are written, and
         ``on_settled(index, event)``, as its host states are (a staged one's flush enqueued). ``ahead``:
         staged subgroups whose states are already in slots of their own (subgroup index -> ``Ahead``), held
-        here until every stream is done with them (``RELEASE_FILLED_AT_FLUSH``: each taken out of the dict at
-        its flush, for the allocator to reuse once that flush has run)."""
+        here until every stream is done with them (``release_at_flush``: each taken out of the dict at its
+        flush, for the allocator to reuse once that flush has run)."""
         residents = residents if residents is not None else Residents(self.device)
         landed, ahead = landed or {}, ahead or {}
         self._on_written, self._on_settled = on_written or _ignore, on_settled or _ignore
@@ -301,7 +301,7 @@ class Engine:
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
         jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
-        filled_ahead = set(ahead)  # ``ahead`` loses its entries as their slots go (RELEASE_FILLED_AT_FLUSH)
+        filled_ahead = set(ahead)  # ``ahead`` loses its entries as their slots go (release_at_flush)
         on_cpu = [j for j in jobs if j.placement is Placement.CPU]
         bf16 = {j.subgroup.index for j in on_cpu if self.takes_bf16(j.subgroup)}
         feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
@@ -329,7 +329,7 @@ class Engine:
                     later.append(out)
                     continue
                 self._flush(out, ahead)
-            out = None  # from here on, no reference to a slot filled ahead but its entry (RELEASE_FILLED_AT_FLUSH)
+            out = None  # from here on, no reference to a slot filled ahead but its entry (release_at_flush)
             while later:
                 self._flush(later.pop(0), ahead)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
@@ -475,8 +475,8 @@ class Engine:
 
     def _flush(self, out: _Flush, ahead: dict[int, Ahead]) -> None:
         """A staged subgroup's states back to the host, after its update; its slot is free again after that
-        (a staging slot for the next subgroup; one filled ahead, with ``RELEASE_FILLED_AT_FLUSH``, for the
-        allocator: taken out of ``ahead``, whose caller holds no other reference)."""
+        (a staging slot for the next subgroup; one filled ahead, with ``release_at_flush``, for the allocator:
+        taken out of ``ahead``, whose caller holds no other reference)."""
         sg = out.subgroup
         self.stage_out.wait(out.written)
         with self.stage_out.run(f"sg{sg.index}"):
@@ -485,7 +485,7 @@ class Engine:
         flushed = self.stage_out.record()
         if out.slot is not None:
             out.slot.free = flushed
-        elif RELEASE_FILLED_AT_FLUSH:
+        elif self.release_at_flush:
             ahead.pop(sg.index).release_after(self.gpu.stream, self.stage_out.stream)
         self._on_settled(sg.index, flushed)
 

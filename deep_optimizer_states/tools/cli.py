@@ -367,8 +367,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="send the CPU path's gradients to host memory during backward (less GPU memory)")
     loop.add_argument("--overlap", action="store_true",
                       help="leave each update running beside the next forward")
-    loop.add_argument("--prefetch", action="store_true",
-                      help="with --stream-grads: copy the staged subgroups' states to the GPU during backward")
+    loop.add_argument("--prefetch", nargs="?", const=True, default=False, choices=["release"],
+                      help="with --stream-grads: copy the staged subgroups' states to the GPU during backward; "
+                           "'--prefetch release' gives each such copy's memory back at its flush, not at the "
+                           "update's end (a lower GPU peak)")
     loop.add_argument("--speculate", action="store_true",
                       help="with --stream-grads: run the CPU path's update during backward, undone if the step "
                            "clips or skips")

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
-from deep_optimizer_states.core import engine
 from deep_optimizer_states.planning.perfmodel import Window
 from deep_optimizer_states.planning.plan import Planner
 from deep_optimizer_states.planning.refine import Refiner
@@ -88,10 +87,9 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, jo
     the window are held still (a synchronous update without prefetch teaches the refiner, one with prefetch
     does not; prefetch gives the window its fills, and with overlap both learn its rest). Unless
     ``joined``, backward starts while the last update may still flush: each fill waits on the GPU for its
-    own subgroup's flush event. ``release`` (``engine.RELEASE_FILLED_AT_FLUSH``): each slot filled ahead goes
+    own subgroup's flush event. ``release`` (``prefetch="release"``): each slot filled ahead goes
     back to the allocator at its flush, and the next forward's and backward's tensors may take its memory as
     soon as the streams that use it have run that far: a stream left out would show as changed bits."""
-    monkeypatch.setattr(engine, "RELEASE_FILLED_AT_FLUSH", release)
     monkeypatch.setattr(Refiner, "learn", lambda *args, **kwargs: None)
     monkeypatch.setattr(Planner, "window", property(lambda self: Window()))
     runs, filled, placed = [], [], []
@@ -99,7 +97,8 @@ def test_states_filled_ahead_during_backward_change_no_bit(schedule, overlap, jo
         seed = 17
         model = _stack(seed)
         opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=1_000_000, schedule=schedule, stream_grads=True,
-                                  overlap=overlap, prefetch=prefetch, max_grad_norm=1.0)
+                                  overlap=overlap, prefetch=prefetch and ("release" if release else True),
+                                  max_grad_norm=1.0)
         if schedule == "offload":
             opt.calibrate()
         gen = torch.Generator().manual_seed(seed)
