@@ -76,7 +76,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     checkpointing (transformers' non-reentrant one), for budgets below what forward and backward need;
     ``path_threads`` runs the CPU path's AdamW on that many threads after planning (the plan is unchanged:
     does a throttled CPU leave the staged copies more host memory bandwidth?); ``prefetch`` fills the staged
-    subgroups' slots during backward ("release": each given back at its flush); ``speculate`` runs the CPU path's update ahead during backward;
+    subgroups' slots during backward ("release": each given back at its flush); ``speculate`` runs the CPU
+    path's update ahead during backward;
     ``bf16_cpu_path`` sends the CPU path's gradients down and params up in bf16 (our kernel);
     ``subgroup_size``: elements per subgroup (the optimizer's default when None); ``launch_share``: the share
     of the CPU path's threads an update run ahead leaves to backward (``speculate.LAUNCH_SHARE`` when None;

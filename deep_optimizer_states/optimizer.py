@@ -76,6 +76,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     (with ``stream_grads``) also runs their AdamW during backward, on a copy kept aside: ``step()`` keeps
     it when the step neither skips nor clips and nothing changed since, and undoes it otherwise.
 
+    ``prefetch=True`` (with ``stream_grads``) copies the staged subgroups' states to the GPU during backward,
+    into slots of their own held until the update ends; ``prefetch="release"`` gives each slot back at its
+    flush instead, for a lower GPU peak when the update runs into the next forward (``overlap``).
+
     ``bf16_cpu_path=True`` (opt-in): CPU-placed subgroups of bf16 params send their gradients down in bf16
     (also when streamed) and their params up in bf16 (half the PCIe bytes, 32 instead of 36 through host
     memory per element), through a kernel of ours compiled at first use and checked bit for bit against

@@ -45,3 +45,27 @@ def test_a_one_core_host_keeps_one_thread(host):
     host.setattr(ranks, "host_cores", lambda: 1)
     host.setattr(torch, "get_num_threads", lambda: 1)
     assert cpu_threads_per_rank(None, gpu=True) is None
+
+
+def test_the_engines_worker_starts_on_its_creators_thread_count_not_the_last_one_set_elsewhere():
+    """Torch gives a new thread the thread count that any thread set last, not its creator's: a CPU worker
+    started plainly after another thread set one would run the CPU path on one (as an engine's after another
+    engine's ``set_cpu_threads(1)``). ``engine.start_worker`` gives it its creator's count."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deep_optimizer_states.core.engine import start_worker
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # the creating thread's count
+    try:
+        other = threading.Thread(target=torch.set_num_threads, args=(1,))
+        other.start()
+        other.join()
+        assert torch.get_num_threads() == 2, "another thread's count is its own"
+        with ThreadPoolExecutor(1) as plain:
+            assert plain.submit(torch.get_num_threads).result() == 1, "a new thread takes the last count set"
+        with ThreadPoolExecutor(1, initializer=start_worker, initargs=(torch.device("cpu"), 2)) as worker:
+            assert worker.submit(torch.get_num_threads).result() == 2
+    finally:
+        torch.set_num_threads(before)

@@ -180,6 +180,17 @@ def _params_from(src: torch.Tensor, sg: Subgroup, scratch: torch.Tensor | None) 
     sg.scatter_params(src)
 
 
+def start_worker(device: torch.device, threads: int) -> None:
+    """The CPU worker thread's start: this rank's GPU (a new thread starts on GPU 0, another rank's) and the
+    creating thread's CPU thread count. Torch gives a new thread the count that any thread set last, not its
+    creator's: after one engine's ``set_cpu_threads(1)``, every later engine's worker would run on one thread
+    (the GPU suite's calibration warning of H200 call 126, the engine's CPU path at 0.74 against the bare
+    kernel's 4.67 G elements/s, came after the test that sets one thread)."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads)
+
+
 def _ignore(index: int, event) -> None:
     pass
 
@@ -231,8 +242,8 @@ class Engine:
         names = ("grads_down", "params_up", "stage_in", "gpu", "stage_out", "resident")
         self.lanes = {name: Lane(device) for name in names}
         self.grads_down, self.params_up, self.stage_in, self.gpu, self.stage_out, self.resident = self.lanes.values()
-        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam", initializer=torch.cuda.set_device,
-                                           initargs=(device,))  # a new thread starts on GPU 0: not another rank's
+        self._worker = (ThreadPoolExecutor(1, thread_name_prefix="dos-cpu-adam", initializer=start_worker,
+                                           initargs=(device, torch.get_num_threads()))
                         if device.type == "cuda" else None)
         self._warned_fallback = False
         self._on_written: Callable[[int, object], None] = _ignore

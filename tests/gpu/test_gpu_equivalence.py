@@ -138,6 +138,20 @@ def test_cpu_path_threads_are_the_workers_own_and_do_not_change_a_bit():
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
+def test_a_new_optimizers_cpu_path_runs_on_its_creators_threads_after_another_set_one():
+    """Torch starts a new thread on the count any thread set last: after one optimizer's CPU path was set to
+    one thread, the next optimizer's worker (and calibration's engine) must still run on the caller's count
+    (``engine.start_worker``; the GPU suite's calibration warning of H200 call 126 came after such a test)."""
+    first = DeepOptimizerStates(mlp(torch.bfloat16, "cuda", seed=1), schedule=2)
+    caller = torch.get_num_threads()
+    assert caller > 1, "this test needs a host of more than two cores"
+    first.engine.set_cpu_threads(1)
+    second = DeepOptimizerStates(mlp(torch.bfloat16, "cuda", seed=2), schedule=2)
+    assert second.engine.cpu_threads() == torch.get_num_threads() == caller
+    first.close()
+    second.close()
+
+
 @pytest.mark.parametrize("mode", ["sync", "overlap", "stream", "stream+overlap"])
 @pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
 def test_the_bf16_cpu_path_with_real_streams(schedule, mode):
