@@ -105,6 +105,14 @@ def _segments(row: dict) -> str:
     return "-" if count is None else f"{count}{held}"
 
 
+def _peak(row: dict) -> str:
+    """The run's peak GPU memory and, in brackets, the need over forward and backward that the budget measured
+    (the peak less the residents and the step's fills): with ``overlap`` that need also holds what the last
+    update still had on the GPU (``prefetch=True`` holds its fills until it ends; "release" gives them back)."""
+    peak, need = row.get("peak_gpu_GB"), row.get("gpu_need_GB")
+    return "-" if peak is None else f"{peak:.1f}" + ("" if need is None else f" ({need:.1f})")
+
+
 def _batch(row: dict) -> tuple:
     return row["model"], row.get("data_seed", DATA_SEED)
 
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
           "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
-          "| new GPU segments (reserved GB) | loss vs reference |\n" + "|---" * 16 + "|")
+          "| peak GPU GB (need) | new GPU segments (reserved GB) | loss vs reference |\n" + "|---" * 17 + "|")
     seen, by_model, fills = set(), {}, {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
@@ -146,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
               f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | "
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
-              f"{_num(host['copy_GBps'], 1)} | {_segments(row)} | {gap} |")
+              f"{_num(host['copy_GBps'], 1)} | {_peak(row)} | {_segments(row)} | {gap} |")
         if r["prefetched"] is not None:  # fills during backward against backward's host seconds
             fills.setdefault(row["model"], []).append((r["prefetched"], backward))
         for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),

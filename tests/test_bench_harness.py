@@ -414,7 +414,7 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     walls.main([str(results), "--references", str(references)])
     out = capsys.readouterr().out
     assert "| ours_a | 1.000 | 0 of 3 |" in out and "gpu_adamw" not in out
-    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 2.00 | - | - | - | - | 1.00% |" in out
+    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 2.00 | - | - | - | 10.0 | - | 1.00% |" in out
     walls.main([str(results)])
     assert "| 2.00 | - |" in capsys.readouterr().out  # no reference for its batch
     walls.main(["--last", "1", str(results)])
@@ -434,11 +434,12 @@ def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, c
 
     results = tmp_path / "results.jsonl"
     expandable = {**run(0, 0.5), "settings": "..., CUDA allocator expandable_segments:True, bf16 params"}
-    rows = [run(25, 0.32, {"start": 38.14, "end": 38.92}), run(0, 0.30), run(50, 0.34), expandable]
+    rows = [{**run(25, 0.32, {"start": 38.14, "end": 38.92}), "peak_gpu_GB": 44.35, "gpu_need_GB": 28.47},
+            run(0, 0.30), run(50, 0.34), expandable]
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     walls.main([str(results)])
     out = capsys.readouterr().out
-    assert "| 25 (38.1 -> 38.9) |" in out and "| 0 |" in out and "| 50 |" in out
+    assert "| 44.4 (28.5) | 25 (38.1 -> 38.9) |" in out and "| 0 |" in out and "| 50 |" in out
     lines = {line.split(" | ")[2]: line for line in out.splitlines() if "| ours_a |" in line}
     assert lines["0.300"].endswith("| 0 | - |") and lines["0.500"].endswith("| - | - |")  # its count not shown
     assert walls.new_segments(expandable) is None
