@@ -19,9 +19,12 @@ PARTS = ("forward", "backward", "step", "loss_read")
 
 
 def free_running(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
-                 step: Callable[[], None], iters: int) -> tuple[float, list[float], list[dict], list[float]]:
+                 step: Callable[[], None], iters: int, after_each: Callable[[], None] | None = None,
+                 ) -> tuple[float, list[float], list[dict], list[float]]:
     """``iters`` + 1 iterations; returns the first wall apart, the counted walls, each counted iteration's
-    host seconds per call (``PARTS``), and every iteration's loss. The caller synchronizes before."""
+    host seconds per call (``PARTS``), and every iteration's loss. The caller synchronizes before.
+    ``after_each`` runs after each iteration's loss read, the first included (its time counts in the next
+    wall: reading and resetting the allocator's peak, a few microseconds on the host)."""
     walls, splits, losses = [], [], []
     last = time.perf_counter()
     for _ in range(iters + 1):
@@ -37,4 +40,6 @@ def free_running(forward: Callable[[], torch.Tensor], backward: Callable[[torch.
         splits.append(dict(zip(PARTS, (round(t1 - last, 4), round(t2 - t1, 4), round(t3 - t2, 4),
                                        round(now - t3, 4)))))
         last = now
+        if after_each is not None:
+            after_each()
     return walls[0], walls[1:], splits[1:], losses

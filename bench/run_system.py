@@ -9,9 +9,12 @@ synchronize, so the phases add up to the wall time), then ``iters`` iterations r
 them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``, their mean ``iter_mean_s``
 (a loop whose walls alternate runs at the mean). The second matters for an update left running past
 ``step()`` (overlap), whose GPU work a synchronize outside the timers would hide. ``peak_gpu_GB`` is the
-allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone (what a plan
-learnt there holds). ``host_load``: what the host gave the free-running loop (bench/host_load.py);
-``allocator_calls``: how often the GPU allocator went to the driver during it (``ALLOCATOR_COUNTERS``);
+allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone, which
+``phases_peak_gpu_GB`` (the synchronised iterations', warm-up included), ``first_peak_gpu_GB`` (the loop's
+uncounted first iteration) and ``iter_peak_gpu_GB`` (each counted iteration's) split in time: a loop's first
+iterations still run on what the synchronised ones taught the plan. ``host_load``: what the host gave the
+free-running loop (bench/host_load.py); ``allocator_calls``: how often the GPU allocator went to the driver
+during it (``ALLOCATOR_COUNTERS``);
 ``reserved_gpu_GB``: what it held from the driver at the loop's start and end (steady, or still growing?).
 """
 
@@ -23,6 +26,7 @@ import statistics
 import sys
 import time
 import traceback
+from typing import Callable
 
 import torch
 
@@ -120,6 +124,23 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
+def iteration_peak(device: torch.device, peaks: list[float]) -> Callable[[], None] | None:
+    """On a GPU, what the timed loop calls after each iteration: append the allocator's peak GB within that
+    iteration to ``peaks`` and reset it. A run's peak alone does not say when it came: at 1.36B every
+    20-iteration run of the defaults peaked at 45.1 GB while the fills during backward, learnt in the
+    synchronised phases, fell from 41 subgroups to 5-15 in the loop's first steps (overlap.md, calls 136-141).
+    The optimizer reads the same statistics: a reset lowers the peak it reads, and the need it learnt stays
+    (planning/budget.py, ``MemoryBudget.observe``)."""
+    if device.type != "cuda":
+        return None
+
+    def read_and_reset() -> None:
+        peaks.append(round(torch.cuda.max_memory_allocated(device) / 1e9, 3))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    return read_and_reset
+
+
 def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: int, micro_batch: int, seq: int,
         device: torch.device, data_seed: int = DATA_SEED) -> dict:
     """Set the system up, train warmup + 2 x iters steps (see the module docstring), return its result row."""
@@ -154,8 +175,9 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
             phases_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         before, counts, reserved = host_load.Snapshot.take(), allocator_counts(device), reserved_gb(device)
+        peaks = []
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
-                                                       trainer.step, iters)
+                                                       trainer.step, iters, iteration_peak(device, peaks))
         row["allocator_calls"] = allocator_calls(counts, allocator_counts(device))  # over the timed loop
         row["reserved_gpu_GB"] = None if reserved is None else {"start": reserved, "end": reserved_gb(device)}
         row["openmp_runtimes"] = host_load.openmp_runtimes()  # the CPU kernel, if any, is loaded by now
@@ -173,10 +195,11 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
                    first_wall_s=round(first_wall, 4), walls_split_s=splits,
                    iter_phases_s=round(fwd + bwd + step_s, 4),
                    update_Gparams_per_s=round(trainer.params / update_s / 1e9, 3), losses=losses,
-                   peak_gpu_GB=round(max(phases_peak, torch.cuda.max_memory_allocated(device)) / 1e9, 2)
-                   if device.type == "cuda" else None,
-                   free_peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-                   if device.type == "cuda" else None, host_load=load, **extra)
+                   peak_gpu_GB=round(max(phases_peak / 1e9, *peaks), 2) if peaks else None,
+                   free_peak_gpu_GB=round(max(peaks), 2) if peaks else None,
+                   phases_peak_gpu_GB=round(phases_peak / 1e9, 2) if device.type == "cuda" else None,
+                   first_peak_gpu_GB=peaks[0] if peaks else None, iter_peak_gpu_GB=peaks[1:] or None,
+                   host_load=load, **extra)
     except Exception as e:  # a system that cannot run is a result too
         row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],
                    traceback=traceback.format_exc()[-2000:])

@@ -105,12 +105,27 @@ def _segments(row: dict) -> str:
     return "-" if count is None else f"{count}{held}"
 
 
+def loop_peaks(row: dict) -> tuple[float, float] | None:
+    """The allocator's peak GB over the first half of the timed loop (its uncounted first iteration with it)
+    and over the second half, from each iteration's (``bench.run_system.iteration_peak``): the first
+    iterations still run on what the synchronised ones taught the plan; the second half is the loop's own
+    steady state. None for rows without them (before 2026-12-04's forty-fourth session, or no GPU)."""
+    counted = row.get("iter_peak_gpu_GB")
+    if not counted or len(counted) < 2:
+        return None
+    half = len(counted) // 2
+    first = counted[:half] + ([row["first_peak_gpu_GB"]] if row.get("first_peak_gpu_GB") is not None else [])
+    return max(first), max(counted[half:])
+
+
 def _peak(row: dict) -> str:
     """The run's peak GPU memory and, in brackets, the need over forward and backward that the budget measured
     (the peak less the residents and the step's fills): with ``overlap`` that need also holds what the last
-    update still had on the GPU (``prefetch=True`` holds its fills until it ends; "release" gives them back)."""
-    peak, need = row.get("peak_gpu_GB"), row.get("gpu_need_GB")
-    return "-" if peak is None else f"{peak:.1f}" + ("" if need is None else f" ({need:.1f})")
+    update still had on the GPU (``prefetch=True`` holds its fills until it ends; "release" gives them back);
+    then ``loop_peaks``, where the row has them."""
+    peak, need, halves = row.get("peak_gpu_GB"), row.get("gpu_need_GB"), loop_peaks(row)
+    return "-" if peak is None else (f"{peak:.1f}" + ("" if need is None else f" ({need:.1f})")
+                                     + ("" if halves is None else f"; {halves[0]:.1f} / {halves[1]:.1f}"))
 
 
 def _batch(row: dict) -> tuple:
@@ -137,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
           "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
-          "| peak GPU GB (need) | new GPU segments (reserved GB) | loss vs reference |\n" + "|---" * 17 + "|")
+          "| peak GPU GB (need; timed loop's 1st / 2nd half) | new GPU segments (reserved GB) "
+          "| loss vs reference |\n" + "|---" * 17 + "|")
     seen, by_model, fills = set(), {}, {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):

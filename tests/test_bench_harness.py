@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import dist_estimate, host_load, report, rounds, run_system, suite, walls
-from bench.free_loop import PARTS
+from bench.free_loop import PARTS, free_running
 from bench.systems import CLIP, REFERENCE
 from deep_optimizer_states.core import cpu_adamw
 from tests.harness import needs_compiler
@@ -148,6 +148,7 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
     assert row["openmp_runtimes"] is None or all(os.path.isfile(p) for p in row["openmp_runtimes"])
     assert row["allocator_calls"] is None and row["reserved_gpu_GB"] is None  # no GPU allocator here
+    assert row["peak_gpu_GB"] is None and row["iter_peak_gpu_GB"] is None and walls.loop_peaks(row) is None
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
     assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal", "vcpu_speeds"]
@@ -444,6 +445,36 @@ def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, c
     assert lines["0.300"].endswith("| 0 | - |") and lines["0.500"].endswith("| - | - |")  # its count not shown
     assert walls.new_segments(expandable) is None
     assert "the GPU allocator's new segments against the iteration, r = 1.00 over 3 runs" in out
+
+
+def test_free_running_calls_its_hook_after_each_iterations_loss_read():
+    """The hook runs once per iteration, the uncounted first one included, after that iteration's loss read
+    and before the next forward (where bench.run_system reads and resets the allocator's peak)."""
+    events = []
+
+    def forward() -> torch.Tensor:
+        events.append("forward")
+        return torch.zeros(())
+
+    walls_s = free_running(forward, lambda loss: events.append("backward"), lambda: events.append("step"), 2,
+                           lambda: events.append("hook"))[1]
+    assert len(walls_s) == 2 and events == ["forward", "backward", "step", "hook"] * 3
+
+
+def test_walls_split_the_timed_loops_peak_into_its_halves(tmp_path, capsys):
+    """A row with each iteration's peak shows the peak over the loop's first half (the uncounted first
+    iteration with it) and over its second: 45.1 GB in the first steps, which still run on what the
+    synchronised phases taught the plan, 28.0 GB once the loop's own plan holds. Rows without them: as before."""
+    split = [{"forward": 0.1, "backward": 0.1, "step": 0.01, "loss_read": 0.0}] * 4
+    row = {**_row("ours_a", iter_s=0.3, iter_walls_s=[0.3] * 4, walls_split_s=split, gpu_need_GB=28.9,
+                  first_peak_gpu_GB=45.14, iter_peak_gpu_GB=[44.0, 31.2, 28.0, 27.5]), "peak_gpu_GB": 45.14}
+    assert walls.loop_peaks(row) == (45.14, 28.0)
+    assert walls.loop_peaks({**row, "iter_peak_gpu_GB": [30.0]}) is None
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(row) + "\n" + json.dumps({**row, "iter_peak_gpu_GB": None}) + "\n")
+    walls.main([str(results)])
+    out = capsys.readouterr().out
+    assert "| 45.1 (28.9); 45.1 / 28.0 |" in out and "| 45.1 (28.9) |" in out
 
 
 def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
