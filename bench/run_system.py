@@ -128,7 +128,7 @@ def iteration_peak(device: torch.device, peaks: list[float]) -> Callable[[], Non
     """On a GPU, what the timed loop calls after each iteration: append the allocator's peak GB within that
     iteration to ``peaks`` and reset it. A run's peak alone does not say when it came: at 1.36B every
     20-iteration run of the defaults peaked at 45.1 GB while the fills during backward, learnt in the
-    synchronised phases, fell from 41 subgroups to 5-15 in the loop's first steps (overlap.md, calls 136-141).
+    synchronised phases, fell from 41 subgroups to 2-19 after the loop's first update (overlap.md, calls 136-141).
     The optimizer reads the same statistics: a reset lowers the peak it reads, and the need it learnt stays
     (planning/budget.py, ``MemoryBudget.observe``)."""
     if device.type != "cuda":
