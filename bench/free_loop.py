@@ -24,7 +24,7 @@ def free_running(forward: Callable[[], torch.Tensor], backward: Callable[[torch.
     """``iters`` + 1 iterations; returns the first wall apart, the counted walls, each counted iteration's
     host seconds per call (``PARTS``), and every iteration's loss. The caller synchronizes before.
     ``after_each`` runs after each iteration's loss read, the first included (its time counts in the next
-    wall: reading and resetting the allocator's peak, a few microseconds on the host)."""
+    wall: reading the allocator's peak, a few microseconds on the host)."""
     walls, splits, losses = [], [], []
     last = time.perf_counter()
     for _ in range(iters + 1):

@@ -220,12 +220,19 @@ def ratios(rows: list[dict]) -> str:
     lines = []
     for (model, budget), ours in sorted(_ours_of_each_cell(ok).items(), key=lambda kv: (kv[0][0], kv[0][1] or 1e9)):
         parts = [f"{peer}{_measured_at(r)}: "
-                 f"iteration x{r['iter_s'] / ours['iter_s']:.2f}, step x{r['step_s'] / ours['step_s']:.2f}"
+                 f"iteration x{r['iter_s'] / ours['iter_s']:.2f}{_step_ratio(r, ours)}"
                  for (m, b, peer), r in sorted(ok.items(), key=lambda kv: kv[0][2])
                  if m == model and b == budget and _is_peer(peer)]
         lines.append(f"- {model}, {_budget(budget)}, {ours['system']} {ours['iter_s']:.3f} s: "
                      + ("; ".join(parts) or "no peer ran"))
     return "\n".join(lines)
+
+
+def _step_ratio(peer: dict, ours: dict) -> str:
+    """", step xN" where both rows timed the step phase (a run without phases, ``--no-phases``, did not)."""
+    if not peer.get("step_s") or not ours.get("step_s"):
+        return ""
+    return f", step x{peer['step_s'] / ours['step_s']:.2f}"
 
 
 def figures(rows: list[dict], folder: Path) -> list[Path]:

@@ -9,10 +9,11 @@ synchronize, so the phases add up to the wall time), then ``iters`` iterations r
 them, synchronised only by ``loss.item()``: their median wall time is ``iter_s``, their mean ``iter_mean_s``
 (a loop whose walls alternate runs at the mean). The second matters for an update left running past
 ``step()`` (overlap), whose GPU work a synchronize outside the timers would hide. ``peak_gpu_GB`` is the
-allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone, which
-``phases_peak_gpu_GB`` (the synchronised iterations', warm-up included), ``first_peak_gpu_GB`` (the loop's
-uncounted first iteration) and ``iter_peak_gpu_GB`` (each counted iteration's) split in time: a loop's first
-iterations still run on what the synchronised ones taught the plan. ``host_load``: what the host gave the
+allocator's peak over the whole run, ``free_peak_gpu_GB`` over the free-running loop alone, and
+``peak_so_far_gpu_GB`` the loop's peak after each of its iterations (the uncounted first one first): in
+which iteration it came. A loop's first iterations still run on what the synchronised ones taught the plan:
+``--no-phases`` synchronises none (the warm-up runs free, untimed; no breakdown), as a training loop that
+never synchronises runs, to see what it learns and peaks at on its own. ``host_load``: what the host gave the
 free-running loop (bench/host_load.py); ``allocator_calls``: how often the GPU allocator went to the driver
 during it (``ALLOCATOR_COUNTERS``);
 ``reserved_gpu_GB``: what it held from the driver at the loop's start and end (steady, or still growing?).
@@ -124,26 +125,25 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def iteration_peak(device: torch.device, peaks: list[float]) -> Callable[[], None] | None:
-    """On a GPU, what the timed loop calls after each iteration: append the allocator's peak GB within that
-    iteration to ``peaks`` and reset it. A run's peak alone does not say when it came: at 1.36B every
-    20-iteration run of the defaults peaked at 45.1 GB while the fills during backward, learnt in the
-    synchronised phases, fell from 41 subgroups to 2-19 after the loop's first update (overlap.md, calls 136-141).
-    The optimizer reads the same statistics: a reset lowers the peak it reads, and the need it learnt stays
-    (planning/budget.py, ``MemoryBudget.observe``)."""
+def _round(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def peak_reader(device: torch.device, peaks: list[float]) -> Callable[[], None] | None:
+    """On a GPU, what the timed loop calls after each iteration: append the allocator's peak GB so far (since
+    the loop's start) to ``peaks``, which thereby says in which iteration the loop's peak came. Read, never
+    reset: the optimizer learns what forward and backward need from rises of the same statistic
+    (planning/budget.py), so a reset per iteration would change what the measured run plans."""
     if device.type != "cuda":
         return None
-
-    def read_and_reset() -> None:
-        peaks.append(round(torch.cuda.max_memory_allocated(device) / 1e9, 3))
-        torch.cuda.reset_peak_memory_stats(device)
-
-    return read_and_reset
+    return lambda: peaks.append(round(torch.cuda.max_memory_allocated(device) / 1e9, 3))
 
 
 def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: int, micro_batch: int, seq: int,
-        device: torch.device, data_seed: int = DATA_SEED) -> dict:
-    """Set the system up, train warmup + 2 x iters steps (see the module docstring), return its result row."""
+        device: torch.device, data_seed: int = DATA_SEED, phases: bool = True) -> dict:
+    """Set the system up, train warmup + 2 x iters steps (see the module docstring), return its result row.
+    Without ``phases`` no iteration is synchronised: the warm-up runs as the timed loop does, untimed, and
+    the row has no breakdown (what a training loop that never synchronises learns and peaks at)."""
     row = {"system": system, "model": model, "budget_gb": budget_gb, "device": str(device),
            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "none",
            "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
@@ -162,22 +162,24 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         copy_gbps = host_load.copy_bandwidth_gbps()  # before any step, so no update of ours runs beside it
         speeds = host_load.vcpu_speeds()
         vocab = PRESETS[model][2]
-        phases, losses = [], []
+        split, losses = [], []
         ids = batch(micro_batch, seq, vocab, device, data_seed)
-        for _ in range(warmup + iters):
+        if not phases and warmup:
+            losses += free_running(lambda: trainer.forward(ids), trainer.backward, trainer.step, warmup - 1)[3]
+        for _ in range(warmup + iters if phases else 0):
             loss, fwd = _timed(device, lambda: trainer.forward(ids))
             _, bwd = _timed(device, lambda: trainer.backward(loss))
             _, upd = _timed(device, trainer.step)
             losses.append(loss.item())
-            phases.append((fwd, bwd, upd))
+            split.append((fwd, bwd, upd))
         _sync(device)
-        if device.type == "cuda":  # the free-running loop's own peak, apart from the synchronised phases'
-            phases_peak = torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda":  # the free-running loop's own peak, apart from the warm-up's and the phases'
+            before_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         before, counts, reserved = host_load.Snapshot.take(), allocator_counts(device), reserved_gb(device)
         peaks = []
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
-                                                       trainer.step, iters, iteration_peak(device, peaks))
+                                                       trainer.step, iters, peak_reader(device, peaks))
         row["allocator_calls"] = allocator_calls(counts, allocator_counts(device))  # over the timed loop
         row["reserved_gpu_GB"] = None if reserved is None else {"start": reserved, "end": reserved_gb(device)}
         row["openmp_runtimes"] = host_load.openmp_runtimes()  # the CPU kernel, if any, is loaded by now
@@ -185,21 +187,21 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
                 "slowest_vcpu": None if not speeds else min(speeds.values()),
                 "vcpu_speeds": None if not speeds else {str(cpu): v for cpu, v in speeds.items()}}
         losses += more
-        measured = sorted(phases[warmup:], key=sum)
-        fwd, bwd, step_s = measured[len(measured) // 2]
+        measured = sorted(split[warmup:], key=sum)
+        fwd, bwd, step_s = measured[len(measured) // 2] if measured else (None, None, None)
         extra = trainer.extra()
         update_s = extra.get("update_s") or step_s  # ours: the engine's own time (a step may return before it)
-        row.update(status="ok", fwd_s=round(fwd, 4), bwd_s=round(bwd, 4), step_s=round(step_s, 4),
+        row.update(status="ok", fwd_s=_round(fwd), bwd_s=_round(bwd), step_s=_round(step_s),
                    iter_s=round(statistics.median(walls), 4), iter_mean_s=round(statistics.fmean(walls), 4),
                    iter_walls_s=[round(w, 4) for w in walls],
                    first_wall_s=round(first_wall, 4), walls_split_s=splits,
-                   iter_phases_s=round(fwd + bwd + step_s, 4),
-                   update_Gparams_per_s=round(trainer.params / update_s / 1e9, 3), losses=losses,
-                   peak_gpu_GB=round(max(phases_peak / 1e9, *peaks), 2) if peaks else None,
-                   free_peak_gpu_GB=round(max(peaks), 2) if peaks else None,
-                   phases_peak_gpu_GB=round(phases_peak / 1e9, 2) if device.type == "cuda" else None,
-                   first_peak_gpu_GB=peaks[0] if peaks else None, iter_peak_gpu_GB=peaks[1:] or None,
-                   host_load=load, **extra)
+                   iter_phases_s=_round(fwd + bwd + step_s) if measured else None, phases=phases,
+                   update_Gparams_per_s=_round(trainer.params / update_s / 1e9 if update_s else None, 3),
+                   losses=losses,
+                   peak_gpu_GB=round(max(before_peak, torch.cuda.max_memory_allocated(device)) / 1e9, 2)
+                   if device.type == "cuda" else None,
+                   free_peak_gpu_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+                   if device.type == "cuda" else None, peak_so_far_gpu_GB=peaks or None, host_load=load, **extra)
     except Exception as e:  # a system that cannot run is a result too
         row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],
                    traceback=traceback.format_exc()[-2000:])
@@ -218,9 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--data-seed", type=int, default=DATA_SEED, help="seed of the training batch")
+    parser.add_argument("--no-phases", action="store_true",
+                        help="synchronise no iteration: the warm-up runs free too, and the row has no breakdown")
     args = parser.parse_args(argv)
     row = run(args.system, args.model, args.budget_gb, args.iters, args.warmup, args.micro_batch, args.seq,
-              torch.device(args.device), args.data_seed)
+              torch.device(args.device), args.data_seed, phases=not args.no_phases)
     print(RESULT + json.dumps(row), flush=True)
     return 0 if row["status"] in ("ok", "oom") or args.system != OURS else 1
 

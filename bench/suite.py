@@ -95,6 +95,7 @@ def run_one(system: str, model: str, budget: float | None, args: argparse.Namesp
            str(args.iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
            str(args.seq), "--data-seed", str(args.data_seed)]
     cmd += ["--budget-gb", str(budget)] if budget is not None else []
+    cmd += ["--no-phases"] if args.no_phases else []
     env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     try:
@@ -118,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--no-phases", action="store_true",
+                        help="synchronise no iteration (bench.run_system --no-phases): a loop that never does")
     parser.add_argument("--timeout", type=float, default=280, help="seconds per system run")
     parser.add_argument("--data-seed", type=int, default=1000, help="seed of the training batch (another one "
                         "repeats the runs on fresh data; write those to another --out)")

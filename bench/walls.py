@@ -105,27 +105,25 @@ def _segments(row: dict) -> str:
     return "-" if count is None else f"{count}{held}"
 
 
-def loop_peaks(row: dict) -> tuple[float, float] | None:
-    """The allocator's peak GB over the first half of the timed loop (its uncounted first iteration with it)
-    and over the second half, from each iteration's (``bench.run_system.iteration_peak``): the first
-    iterations still run on what the synchronised ones taught the plan; the second half is the loop's own
-    steady state. None for rows without them (before 2026-12-04's forty-fourth session, or no GPU)."""
-    counted = row.get("iter_peak_gpu_GB")
-    if not counted or len(counted) < 2:
+def loop_peak_came(row: dict) -> tuple[float, int, int] | None:
+    """The timed loop's peak GB, the iteration it came in (1: the loop's uncounted first one) and how many
+    the loop ran, from its peak so far after each (``bench.run_system.peak_reader``). A peak in the first
+    iterations came from what the synchronised phases taught the plan; a late one, from the loop's own plan.
+    None for rows without them (before 2026-12-04's forty-fourth session, or no GPU)."""
+    so_far = row.get("peak_so_far_gpu_GB")
+    if not so_far:
         return None
-    half = len(counted) // 2
-    first = counted[:half] + ([row["first_peak_gpu_GB"]] if row.get("first_peak_gpu_GB") is not None else [])
-    return max(first), max(counted[half:])
+    return so_far[-1], so_far.index(so_far[-1]) + 1, len(so_far)
 
 
 def _peak(row: dict) -> str:
     """The run's peak GPU memory and, in brackets, the need over forward and backward that the budget measured
     (the peak less the residents and the step's fills): with ``overlap`` that need also holds what the last
     update still had on the GPU (``prefetch=True`` holds its fills until it ends; "release" gives them back);
-    then ``loop_peaks``, where the row has them."""
-    peak, need, halves = row.get("peak_gpu_GB"), row.get("gpu_need_GB"), loop_peaks(row)
+    then ``loop_peak_came``, where the row has it."""
+    peak, need, came = row.get("peak_gpu_GB"), row.get("gpu_need_GB"), loop_peak_came(row)
     return "-" if peak is None else (f"{peak:.1f}" + ("" if need is None else f" ({need:.1f})")
-                                     + ("" if halves is None else f"; {halves[0]:.1f} / {halves[1]:.1f}"))
+                                     + ("" if came is None else f"; loop {came[0]:.1f} in {came[1]} of {came[2]}"))
 
 
 def _batch(row: dict) -> tuple:
@@ -152,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
           "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
-          "| peak GPU GB (need; timed loop's 1st / 2nd half) | new GPU segments (reserved GB) "
+          "| peak GPU GB (need; the timed loop's, in its iteration) | new GPU segments (reserved GB) "
           "| loss vs reference |\n" + "|---" * 17 + "|")
     seen, by_model, fills = set(), {}, {}
     for path, row in runs:

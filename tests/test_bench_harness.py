@@ -133,6 +133,18 @@ def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
     assert "FAILED" in (tmp_path / "README.md").read_text()
 
 
+def test_report_takes_a_run_without_phases(tmp_path):
+    """A row of ours run without phases (``--no-phases``) has no step time: the ratios give the iteration's
+    alone for it, and the report still writes."""
+    no_phases = {**_row("ours_auto", iter_s=0.5), "fwd_s": None, "bwd_s": None, "step_s": None, "phases": False}
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in (_row(REFERENCE), _row("gpu_adamw"), no_phases)))
+    assert report.write_report(results, "python -m bench.suite --no-phases") == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "gpu_adamw: iteration x2.00;" in readme or "gpu_adamw: iteration x2.00\n" in readme
+    assert "step x" not in readme.split("gpu_adamw: iteration x2.00")[1].split("\n")[0]
+
+
 @pytest.mark.parametrize("system", ["ours_auto", "ours_gpu", "ours_offload_overlap", "gpu_adamw", REFERENCE])
 def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
     row = run_system.run(system, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
@@ -148,7 +160,8 @@ def test_smoke_run_of_a_tiny_model_on_the_cpu(system):
         assert row["pinned_host_GB"] > 0 and row["pcie_h2d_GB"] > 0
     assert row["openmp_runtimes"] is None or all(os.path.isfile(p) for p in row["openmp_runtimes"])
     assert row["allocator_calls"] is None and row["reserved_gpu_GB"] is None  # no GPU allocator here
-    assert row["peak_gpu_GB"] is None and row["iter_peak_gpu_GB"] is None and walls.loop_peaks(row) is None
+    assert row["peak_gpu_GB"] is None and row["peak_so_far_gpu_GB"] is None and walls.loop_peak_came(row) is None
+    assert row["phases"] is True
     # what the host gave the timed loop (Linux: /proc)
     load = row["host_load"]
     assert sorted(load) == ["busy", "copy_GBps", "preempted_per_s", "slowest_vcpu", "steal", "vcpu_speeds"]
@@ -309,6 +322,24 @@ def _fake_runs(monkeypatch, **result) -> list[str]:
     return started
 
 
+def test_suite_passes_no_phases_to_each_run(tmp_path, monkeypatch):
+    """``--no-phases`` reaches each run's command line (and so its row), and only when asked for."""
+    commands = []
+
+    def fake_subprocess_run(cmd, **kwargs):
+        commands.append(cmd)
+        row = {"status": "ok", "phases": "--no-phases" not in cmd}
+        return subprocess.CompletedProcess(cmd, 0, stdout=run_system.RESULT + json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(suite.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    out = tmp_path / "results.jsonl"
+    suite.main(["--models", "tiny", "--systems", "ours_auto", "--out", str(out), "--no-phases"])
+    suite.main(["--models", "tiny", "--systems", "gpu_adamw", "--out", str(out)])
+    assert ["--no-phases" in cmd for cmd in commands] == [True, False]
+    assert [json.loads(line)["phases"] for line in out.read_text().splitlines()] == [False, True]
+
+
 def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch):
     out = tmp_path / "results.jsonl"
     started = _fake_runs(monkeypatch, status="error", error="fake")
@@ -449,7 +480,7 @@ def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, c
 
 def test_free_running_calls_its_hook_after_each_iterations_loss_read():
     """The hook runs once per iteration, the uncounted first one included, after that iteration's loss read
-    and before the next forward (where bench.run_system reads and resets the allocator's peak)."""
+    and before the next forward (where bench.run_system reads the allocator's peak so far)."""
     events = []
 
     def forward() -> torch.Tensor:
@@ -461,20 +492,31 @@ def test_free_running_calls_its_hook_after_each_iterations_loss_read():
     assert len(walls_s) == 2 and events == ["forward", "backward", "step", "hook"] * 3
 
 
-def test_walls_split_the_timed_loops_peak_into_its_halves(tmp_path, capsys):
-    """A row with each iteration's peak shows the peak over the loop's first half (the uncounted first
-    iteration with it) and over its second: 45.1 GB in the first steps, which still run on what the
-    synchronised phases taught the plan, 28.0 GB once the loop's own plan holds. Rows without them: as before."""
+def test_a_run_without_phases_synchronises_no_iteration_and_keeps_every_loss():
+    """``phases=False``: the warm-up runs free (untimed) instead of the synchronised phases, so the row has no
+    breakdown; its losses are still one per step, in order (the loss check compares them step by step)."""
+    row = run_system.run("ours_offload_overlap", "tiny", None, iters=2, warmup=2, micro_batch=1, seq=16,
+                         device=torch.device("cpu"), phases=False)
+    assert row["status"] == "ok", row.get("traceback")
+    assert row["phases"] is False and row["fwd_s"] is None and row["iter_phases_s"] is None
+    assert len(row["losses"]) == 2 + (2 + 1) and len(row["iter_walls_s"]) == 2 and row["update_Gparams_per_s"] > 0
+    phased = run_system.run("ours_offload_overlap", "tiny", None, iters=2, warmup=2, micro_batch=1, seq=16,
+                            device=torch.device("cpu"))
+    assert row["losses"] == phased["losses"][:5]  # steps 1-5 either way, the same losses
+
+
+def test_walls_say_in_which_iteration_the_timed_loops_peak_came(tmp_path, capsys):
+    """A row with the loop's peak so far after each iteration shows the loop's peak and the iteration it came
+    in (45.1 GB in the second of 5: carried over from the synchronised phases); rows without: as before."""
     split = [{"forward": 0.1, "backward": 0.1, "step": 0.01, "loss_read": 0.0}] * 4
     row = {**_row("ours_a", iter_s=0.3, iter_walls_s=[0.3] * 4, walls_split_s=split, gpu_need_GB=28.9,
-                  first_peak_gpu_GB=45.14, iter_peak_gpu_GB=[44.0, 31.2, 28.0, 27.5]), "peak_gpu_GB": 45.14}
-    assert walls.loop_peaks(row) == (45.14, 28.0)
-    assert walls.loop_peaks({**row, "iter_peak_gpu_GB": [30.0]}) is None
+                  peak_so_far_gpu_GB=[31.0, 45.14, 45.14, 45.14, 45.14]), "peak_gpu_GB": 45.14}
+    assert walls.loop_peak_came(row) == (45.14, 2, 5)
     results = tmp_path / "results.jsonl"
-    results.write_text(json.dumps(row) + "\n" + json.dumps({**row, "iter_peak_gpu_GB": None}) + "\n")
+    results.write_text(json.dumps(row) + "\n" + json.dumps({**row, "peak_so_far_gpu_GB": None}) + "\n")
     walls.main([str(results)])
     out = capsys.readouterr().out
-    assert "| 45.1 (28.9); 45.1 / 28.0 |" in out and "| 45.1 (28.9) |" in out
+    assert "| 45.1 (28.9); loop 45.1 in 2 of 5 |" in out and "| 45.1 (28.9) |" in out
 
 
 def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
