@@ -136,7 +136,7 @@ def peak_reader(device: torch.device, peaks: list[float]) -> Callable[[], None] 
     (planning/budget.py), so a reset per iteration would change what the measured run plans."""
     if device.type != "cuda":
         return None
-    return lambda: peaks.append(round(torch.cuda.max_memory_allocated(device) / 1e9, 3))
+    return lambda: peaks.append(round(torch.cuda.max_memory_allocated(device) / 1e9, 4))
 
 
 def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: int, micro_batch: int, seq: int,

@@ -107,8 +107,8 @@ def _segments(row: dict) -> str:
 
 def loop_peak_came(row: dict) -> tuple[float, int, int] | None:
     """The timed loop's peak GB, the iteration it came in (1: the loop's uncounted first one) and how many
-    the loop ran, from its peak so far after each (``bench.run_system.peak_reader``). A peak in the first
-    iterations came from what the synchronised phases taught the plan; a late one, from the loop's own plan.
+    the loop ran, from its peak so far after each (``bench.run_system.peak_reader``). After the synchronised
+    phases, a peak in the first iterations came from what they taught the plan; a late one, from the loop's own.
     None for rows without them (before 2026-12-04's forty-fourth session, or no GPU)."""
     so_far = row.get("peak_so_far_gpu_GB")
     if not so_far:

@@ -20,8 +20,8 @@ def test_a_row_on_the_gpu_counts_the_allocators_driver_calls_and_names_the_openm
     if calls["cudaFree"] == 0:  # nothing given back: what the allocator holds can only have grown
         assert reserved["end"] >= reserved["start"], (reserved, calls)
     assert row["openmp_runtimes"], "torch's intra-op threads run on an OpenMP runtime, mapped by now"
-    # the loop's peak so far after each iteration (the uncounted first one first): never falling, its last the
-    # loop's peak, which the run's is no lower than
+    # the loop's peak so far after each iteration (the uncounted first one first): never falling, and no higher
+    # than the loop's peak read after it (the last update may still allocate past the last read)
     so_far = row["peak_so_far_gpu_GB"]
     assert len(so_far) == 3 + 1 and so_far == sorted(so_far) and so_far[0] > 0, so_far
-    assert abs(so_far[-1] - row["free_peak_gpu_GB"]) <= 0.006 and row["peak_gpu_GB"] >= row["free_peak_gpu_GB"]
+    assert so_far[-1] <= row["free_peak_gpu_GB"] + 0.005 and row["peak_gpu_GB"] >= row["free_peak_gpu_GB"]
