@@ -137,7 +137,9 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                             "params_done_s": None if u is None or u.params_done_s is None
                             else round(u.params_done_s, 4),
                             "forward_wait_s": None if u is None or u.forward_wait_s is None
-                            else round(u.forward_wait_s, 4), "prefetched": None if u is None else u.prefetched,
+                            else round(u.forward_wait_s, 4),
+                            "idle_tail_s": None if u is None or u.idle_tail_s is None else round(u.idle_tail_s, 4),
+                            "prefetched": None if u is None else u.prefetched,
                             "speculated": None if u is None else u.speculated,
                             "cpu_adam_s": None if u is None else round(u.cpu_adam_seconds, 4),
                             "staged_window_s": None if u is None else round(u.staged_window_s, 4),

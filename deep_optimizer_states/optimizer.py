@@ -576,7 +576,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.synchronize()  # the previous update, if step() left it running
         if self._stepped_at is not None and self.last_update is not self._timed_update:  # the iteration priced
             self.planner.observe_step(began - self._stepped_at, self.last_update.params_done_s,
-                                      time.perf_counter() - began)
+                                      time.perf_counter() - began, self.last_update.idle_tail_s or 0.0)
         self._stepped_at, self._timed_update = began, self.last_update
         loss = None
         if closure is not None:

@@ -488,6 +488,58 @@ def test_the_planner_is_told_which_updates_ran_beside_the_next_forward():
     assert seen == {True: [True] * 3, False: [False] * 3}
 
 
+@pytest.mark.parametrize("caller", ["forwards_at_once", "forwards_mid_tail", "waits_then_forwards", "joins"])
+def test_the_update_says_how_much_of_it_ran_before_the_next_forward(caller):
+    """An update that writes its params at once and then flushes for 0.2 s: what of those 0.2 s ran before
+    the caller's next forward began (its first wait) is ``idle_tail_s``. None when the forward begins at
+    once (the overlapped loop); about 0.1 s when it begins half-way; all of it when the caller waited for
+    the update to end first (a synchronize after ``step()``) or joined it before any forward."""
+    from types import SimpleNamespace
+
+    from deep_optimizer_states.core.lanes import Done
+    from deep_optimizer_states.core.overlap import UpdateInFlight
+
+    inflight = UpdateInFlight(torch.device("cpu"))
+
+    def update():
+        inflight.written(0, Done())
+        time.sleep(0.2)  # the flushes after the last param write
+        return SimpleNamespace(params_written_s=None, params_done_s=None, forward_wait_s=None, idle_tail_s=None)
+
+    inflight.start(update, [0])
+    if caller != "joins":
+        time.sleep({"forwards_at_once": 0.0, "forwards_mid_tail": 0.1, "waits_then_forwards": 0.3}[caller])
+        inflight.wait_for([0])
+    stats = inflight.join()
+    inflight.close()
+    want = {"forwards_at_once": 0.0, "forwards_mid_tail": 0.1, "waits_then_forwards": 0.2, "joins": 0.2}[caller]
+    assert stats.idle_tail_s == pytest.approx(want, abs=0.05), stats
+
+
+def test_a_loop_that_synchronises_after_each_step_learns_no_rest_from_the_updates_tail(monkeypatch):
+    """The planner is told each update's idle tail; in a loop that waits for every update before its next
+    forward (``opt.synchronize()`` after ``step()``) it is the update's time after its last param write, and
+    the rest the planner learns leaves it out. Without that, a longer flush tail (more staged) read as a longer
+    rest, and the plan staged more each step (docs/benchmarks/overlap.md, calls 136-141)."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=3000, overlap=True)
+    told = []
+    real = opt.planner.observe_step
+    opt.planner.observe_step = lambda period, done, joined=0.0, idle=0.0: (
+        told.append((period, done, joined, idle)), real(period, done, joined, idle))
+    real_update = engine.Engine.update
+
+    def slow_tail(self, *args, **kwargs):  # each update ends 0.05 s after its work, as flushes would
+        stats = real_update(self, *args, **kwargs)
+        time.sleep(0.05)
+        return stats
+
+    monkeypatch.setattr(engine.Engine, "update", slow_tail)
+    _run(model, opt, torch.Generator().manual_seed(0), 4, between=lambda step, model, opt: opt.synchronize())
+    assert len(told) == 3 and all(idle >= 0.05 - 0.01 for _, _, _, idle in told), told
+    assert opt.planner.rest_s < min(period - done for period, done, _, _ in told[1:]) - 0.04  # the first: left out
+
+
 def _held_grads_run(monkeypatch, zero_grad: bool):
     """One overlapped step whose update starts gathering only after the caller has (or has not) zeroed the
     gradients; returns the model, weak references to the gradients and how many were alive at each AdamW."""

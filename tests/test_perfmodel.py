@@ -318,6 +318,11 @@ def test_the_planner_learns_the_rest_of_the_iteration_and_what_fills_reach(monke
     for _ in range(5):  # a loop that synchronizes each step: the rest it showed before is soon forgotten
         link_bound.observe_step(0.8, 0.2)
     assert link_bound.rest_s == pytest.approx(0.6)
+    synced = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
+    _observed_updates(synced, 2)
+    for tail in (0.1, 0.2, 0.3):  # a loop that waits for each whole update: its flush tail, however long, is not
+        synced.observe_step(0.3 + 0.2 + tail, 0.2, 0.0, tail)  # rest (0.3 s of forward and backward here)
+        assert synced.rest_s == pytest.approx(0.3)
     again = planner.refresh()
     assert again is not first and again.placements == choose(sizes, H200_BF16, 2, window=planner.window)[0]
     assert again.prediction.staged > first.prediction.staged  # the link has the rest of the step too
@@ -406,20 +411,22 @@ def test_a_plan_learnt_in_a_link_bound_loop_reaches_the_best_split(monkeypatch, 
 
 def test_an_overlapped_optimizer_tells_its_planner_each_steps_length():
     """The optimizer times each step() against the last one and tells the planner with the update's time
-    to its last param write."""
+    to its last param write and what of the update ran before the next forward began (in this loop, whose
+    forward follows step() at once, little of it)."""
     model = mlp()
     opt = DeepOptimizerStates(model, lr=1e-3, subgroup_size=300, overlap=True)
     seen = []
     real = opt.planner.observe_step
-    opt.planner.observe_step = lambda period, written, joined: (seen.append((period, written, joined)),
-                                                                 real(period, written, joined))
+    opt.planner.observe_step = lambda period, written, joined, idle: (seen.append((period, written, joined, idle)),
+                                                                       real(period, written, joined, idle))
     for _ in range(4):
         model(torch.randn(8, 32)).square().sum().backward()
         opt.step()
         opt.zero_grad()
     opt.synchronize()
     assert len(seen) == 3
-    assert all(period > joined >= 0 and written is not None and written >= 0 for period, written, joined in seen)
+    assert all(period > joined >= 0 and written is not None and written >= 0 and period > idle >= 0
+               for period, written, joined, idle in seen)
     assert opt.planner.rest_s > 0
     opt.close()
 

@@ -105,6 +105,7 @@ class UpdateStats:
     params_written_s: float | None = None  # overlap: from the update's start until every param write was enqueued
     params_done_s: float | None = None  # overlap: ... until every param write had run (on a GPU, its clock)
     forward_wait_s: float | None = None  # overlap: how long the caller was blocked waiting for those writes
+    idle_tail_s: float | None = None  # overlap: of the update after those writes, what ran before the next forward
     prefetched: int = 0  # staged subgroups whose states came in during backward (their slots filled ahead)
     prefetched_elements: int = 0  # their elements
     speculated: int = 0  # CPU subgroups whose AdamW ran during backward and was kept (only their params went up)

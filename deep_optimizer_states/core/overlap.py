@@ -85,6 +85,8 @@ class UpdateInFlight:
         self._last_written = 0.0  # perf_counter when the newest subgroup's params were enqueued
         self._waited = 0.0  # seconds the caller's thread spent blocked in wait_for during this update
         self._origin: torch.cuda.Event | None = None  # a timing event where the update began on the GPU
+        self._ended = 0.0  # perf_counter when the update returned (every lane had run)
+        self._forward_at: float | None = None  # perf_counter of the first wait_for since the update started
 
     @property
     def busy(self) -> bool:
@@ -104,7 +106,7 @@ class UpdateInFlight:
         with self._lock:
             self._written = {i: (threading.Event(), None) for i in subgroups}
             self._settled = {i: (threading.Event(), None) for i in subgroups}
-        self._waited = 0.0
+        self._waited, self._forward_at = 0.0, None
         self._future = self._thread.submit(self._run, update)
 
     def _run(self, update: Callable[[], object]) -> object:
@@ -115,6 +117,7 @@ class UpdateInFlight:
             with torch.no_grad():
                 return update()
         finally:  # an update that failed half-way must not leave a forward waiting forever
+            self._ended = time.perf_counter()
             for flag, _ in [*self._written.values(), *self._settled.values()]:
                 flag.set()
 
@@ -159,6 +162,8 @@ class UpdateInFlight:
         has run (for readers on streams of their own, such as FSDP2's all-gathers)."""
         if self._future is None:
             return
+        if self._forward_at is None:  # the caller's next forward (or backward) has begun
+            self._forward_at = time.perf_counter()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         for i in subgroups:
             entry = self._written.get(i)
@@ -179,7 +184,9 @@ class UpdateInFlight:
         """Wait for the update to end (the engine returns once every lane has run): its result, or its error
         raised here. The result's ``params_written_s``, ``params_done_s`` and ``forward_wait_s`` say how long
         the update took to enqueue every param write, until they had all run (on a GPU: its clock, so
-        that copies waiting on the link count), and how long the caller's forward was blocked meanwhile."""
+        that copies waiting on the link count), and how long the caller's forward was blocked meanwhile;
+        ``idle_tail_s``, how much of the update after those writes ran before the caller's next forward began
+        (``_idle_tail_s``)."""
         future, self._future = self._future, None
         if future is None:
             return None
@@ -189,10 +196,22 @@ class UpdateInFlight:
                 stats.params_written_s = self._last_written - self._started
                 stats.params_done_s = self._done_s(stats.params_written_s)
                 stats.forward_wait_s = self._waited
+                stats.idle_tail_s = self._idle_tail_s(stats.params_done_s)
             return stats
         finally:
             self._written, self._settled = {}, {}
             future = None  # it holds a failed update's error, whose traceback holds this frame: no cycle
+
+    def _idle_tail_s(self, params_done_s: float) -> float:
+        """Seconds of the update after its last param write that ran before the caller's next forward began
+        (its first ``wait_for``; joined before any forward: the caller waited for it all). That part ran
+        beside none of the caller's forward and backward: a loop that waits for the whole update every step
+        (a synchronize after ``step()``) spends it waiting. The planner leaves it out of the rest of the
+        iteration; counted in, the flushes after the last write made the rest longer the more subgroups
+        were staged, and the plan staged more each step (22 to 41 of 55 over 22 synchronised steps at
+        1.36B on an H200: docs/benchmarks/overlap.md, calls 136-141)."""
+        until = self._ended if self._forward_at is None else min(self._ended, self._forward_at)
+        return max(0.0, until - self._started - params_done_s)
 
     def _done_s(self, enqueued_s: float) -> float:
         """Seconds from the update's start until its last param write had run: on a GPU from timing events

@@ -224,16 +224,19 @@ class Planner:
         buffers (negative where they do not fit); the budget must have measured a need."""
         return self.budget.resident_room() - resident_bytes - self._update_buffers()
 
-    def observe_step(self, period_s: float, params_done_s: float | None, joined_s: float = 0.0) -> None:
+    def observe_step(self, period_s: float, params_done_s: float | None, joined_s: float = 0.0,
+                     idle_tail_s: float = 0.0) -> None:
         """Learn the rest of the iteration (``overlap``) from the seconds between two ``step()`` calls, the
         first one's update's time until its last param write had run (on the GPU's clock: a write that
-        waited for a fill counts in the update) and how long the second waited for that update to end
-        (``joined_s``: its last flushes, the link's cycle, which the model prices apart). Without them a
-        link-bound plan would look like a long rest, and the plan would stay link-bound. The first update's
+        waited for a fill counts in the update), how long the second waited for that update to end
+        (``joined_s``: its last flushes, the link's cycle, which the model prices apart) and how much of the
+        update after its last write ran before the next forward began (``idle_tail_s``: beside none of the
+        caller's work, as in a loop that synchronises after each step). Without them a link-bound plan would
+        look like a long rest, and the plan would stay link-bound, or grow. The first update's
         step is left out, as its update is (one-off costs: calibration, the bf16 kernel's first call; on an
         H200 its 7 s made the next plan stage 53 of 55 subgroups, overlap.md call 41)."""
         if self.overlap and params_done_s is not None and period_s > 0 and self._observed > 1:
-            self._rest_seen.append(max(0.0, period_s - params_done_s - joined_s))
+            self._rest_seen.append(max(0.0, period_s - params_done_s - joined_s - idle_tail_s))
 
     @property
     def factors(self) -> dict[str, float]:
