@@ -491,7 +491,7 @@ def test_the_planner_is_told_which_updates_ran_beside_the_next_forward():
 @pytest.mark.parametrize("caller", ["forwards_at_once", "forwards_mid_tail", "waits_then_forwards", "joins"])
 def test_the_update_says_how_much_of_it_ran_before_the_next_forward(caller):
     """An update that writes its params at once and then flushes for 0.2 s: what of those 0.2 s ran before
-    the caller's next forward began (its first wait) is ``idle_tail_s``. None when the forward begins at
+    the caller's next forward began (its first wait) is ``idle_tail_s``: nothing when the forward begins at
     once (the overlapped loop); about 0.1 s when it begins half-way; all of it when the caller waited for
     the update to end first (a synchronize after ``step()``) or joined it before any forward."""
     from types import SimpleNamespace
