@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(f"{model:6} {str(budget or 'whole'):>5} {system:24} {row['status']:8} "
-              f"iter {row.get('iter_s', '-')} s  step {row.get('step_s', '-')} s", flush=True)
+              f"iter {row.get('iter_s', '-')} s  step {row.get('step_s') or '-'} s", flush=True)
     if not out.exists():
         return 0
     from bench.report import write_report
