@@ -209,7 +209,10 @@ class UpdateInFlight:
         (a synchronize after ``step()``) spends it waiting. The planner leaves it out of the rest of the
         iteration; counted in, the flushes after the last write made the rest longer the more subgroups
         were staged, and the plan staged more each step (22 to 41 of 55 over 22 synchronised steps at
-        1.36B on an H200: docs/benchmarks/overlap.md, calls 136-141)."""
+        1.36B on an H200: docs/benchmarks/overlap.md, calls 136-141). The host cannot tell a wait from work
+        of the loop's own between ``step()`` and the forward (a data loader on the main thread): where that
+        work outlasts the param writes, the tail beside it counts as idle too, and the rest reads short by
+        at most the update's tail, an error that does not feed itself as the other did."""
         until = self._ended if self._forward_at is None else min(self._ended, self._forward_at)
         return max(0.0, until - self._started - params_done_s)
 
