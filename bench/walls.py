@@ -5,8 +5,9 @@
 
 Columns: how many iterations' loss read waited and the walls' standard deviation; the medians over the last
 ``STEPS`` steps' own records (``history``: the update's seconds, until every param write had run, how long
-the next forward waited for them, and the rest of the iteration the planner learnt, which sizes the fills
-during backward); the median of the timed walls' backward; the CPU path's rate inside the update
+the next forward waited for them, the rest of the iteration the planner learnt, which sizes the fills
+during backward, and what of the update ran before the next forward began, which that rest leaves out);
+the median of the timed walls' backward; the CPU path's rate inside the update
 (``cpu_path_rate``; with it each model's correlation of that rate with the iteration, over the runs shown);
 what the host gave the timed loop (``bench.host_load``: the hypervisor's steal, the process's threads
 preempted per second, the host copy's GB/s measured before the first step; each correlated with the
@@ -44,10 +45,13 @@ def steadiness(row: dict) -> dict:
 def step_records(row: dict) -> dict[str, float | None]:
     """Medians over the last STEPS steps of the update's seconds, its params done, the forward's wait, the
     rest of the iteration the planner learnt (``rest_s``: a step's seconds outside its update, backward
-    mostly; what the fills planned during backward are sized by) and the subgroups filled during backward."""
+    mostly; what the fills planned during backward are sized by), what of the update after its last param
+    write ran before the next forward began (``idle_tail_s``, left out of that rest: about 0 in a loop whose
+    forward follows ``step()``; rows before 2026-12-04's forty-fourth session have none) and the subgroups
+    filled during backward."""
     steps = row.get("history", [])[-STEPS:]
     out = {}
-    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s", "prefetched"):
+    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s", "idle_tail_s", "prefetched"):
         values = [s[key] for s in steps if s.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return out
@@ -149,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
-          "| forward wait s | rest learnt s | backward s | CPU path G el/s | steal | preempted /s | host copy GB/s "
+          "| forward wait s | rest learnt s | idle tail s | backward s | CPU path G el/s | steal | preempted /s "
+          "| host copy GB/s "
           "| peak GPU GB (need; the timed loop's, in its iteration) | new GPU segments (reserved GB) "
-          "| loss vs reference |\n" + "|---" * 17 + "|")
+          "| loss vs reference |\n" + "|---" * 18 + "|")
     seen, by_model, fills = set(), {}, {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         backward = statistics.median(split["backward"] for split in row["walls_split_s"])
         print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | {s['waited']} of "
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
-              f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {backward:.3f} | "
+              f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {_fmt(r['idle_tail_s'])} | {backward:.3f} | "
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
               f"{_num(host['copy_GBps'], 1)} | {_peak(row)} | {_segments(row)} | {gap} |")
         if r["prefetched"] is not None:  # fills during backward against backward's host seconds

@@ -433,7 +433,8 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
                   history=history, losses=[10.0, 9.0, 8.1], subgroups=10, params=1_000_000_000)
     assert walls.step_records(racing) == pytest.approx({"update_s": 0.2, "params_done_s": 0.19,
                                                         "forward_wait_s": 0.1, "rest_s": 0.1,
-                                                        "prefetched": None})  # the 13th left out; no fills
+                                                        "idle_tail_s": None, "prefetched": None})  # the 13th
+    # left out; no fills, and no idle tail (rows before it was recorded)
     assert walls.cpu_path_rate(racing) == pytest.approx(2.0)  # 5 subgroups of 1e8 elements in 0.25 s
     assert walls.cpu_path_rate(steady) is None
     assert walls.steadiness(steady)["waited"] == 0 and walls.steadiness(steady)["walls_sd_s"] == 0
@@ -446,7 +447,8 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     walls.main([str(results), "--references", str(references)])
     out = capsys.readouterr().out
     assert "| ours_a | 1.000 | 0 of 3 |" in out and "gpu_adamw" not in out
-    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | 0.100 | 2.00 | - | - | - | 10.0 | - | 1.00% |" in out
+    assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | - | 0.100 | 2.00 | - | - | - " \
+        "| 10.0 | - | 1.00% |" in out
     walls.main([str(results)])
     assert "| 2.00 | - |" in capsys.readouterr().out  # no reference for its batch
     walls.main(["--last", "1", str(results)])
