@@ -19,8 +19,8 @@ PARTS = ("forward", "backward", "step", "loss_read")
 
 
 def free_running(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None],
-                 step: Callable[[], None], iters: int, after_each: Callable[[], None] | None = None,
-                 ) -> tuple[float, list[float], list[dict], list[float]]:
+                 step: Callable[[], None], iters: int,
+                 after_each: Callable[[], None] | None = None) -> tuple[float, list[float], list[dict], list[float]]:
     """``iters`` + 1 iterations; returns the first wall apart, the counted walls, each counted iteration's
     host seconds per call (``PARTS``), and every iteration's loss. The caller synchronizes before.
     ``after_each`` runs after each iteration's loss read, the first included (its time counts in the next

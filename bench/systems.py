@@ -375,8 +375,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # the defaults with each slot filled ahead released at its flush (prefetch="release"), not at the
     # update's end, which is during the next forward: at 1.36B the peak went with the need measured over forward
     # and backward (r = 0.96-0.98 over calls 119-129's runs, 19-29 GB), which the last update's fills, 8-20
-    # slots of 400 MB held into that forward, may swell. Calls 130-135 (2 rounds against the defaults): peak 44.35
-    # -> 28.47 GB, the iteration x1.060
+    # slots of 400 MB held into that forward, may swell. Calls 131 and 137 (6 rounds against the defaults, two
+    # machines): peak 44.35 -> 28.47 and 45.14 -> 28.87 GB, the iteration x1.069, faster in 1 of 6
     "ours_offload_overlap_spec_prefetch_bf16_release": defaults(prefetch="release"),
     "ours_offload_overlap_clip_spec_prefetch_bf16_release": defaults(clip=True, prefetch="release"),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The

@@ -204,15 +204,12 @@ class UpdateInFlight:
 
     def _idle_tail_s(self, params_done_s: float) -> float:
         """Seconds of the update after its last param write that ran before the caller's next forward began
-        (its first ``wait_for``; joined before any forward: the caller waited for it all). That part ran
-        beside none of the caller's forward and backward: a loop that waits for the whole update every step
-        (a synchronize after ``step()``) spends it waiting. The planner leaves it out of the rest of the
-        iteration; counted in, the flushes after the last write made the rest longer the more subgroups
-        were staged, and the plan staged more each step (22 to 41 of 55 over 22 synchronised steps at
-        1.36B on an H200: docs/benchmarks/overlap.md, calls 136-141). The host cannot tell a wait from work
-        of the loop's own between ``step()`` and the forward (a data loader on the main thread): where that
-        work outlasts the param writes, the tail beside it counts as idle too, and the rest reads short by
-        at most the update's tail, an error that does not feed itself as the other did."""
+        (its first ``wait_for``; joined before any forward: all of it), beside none of the caller's forward
+        and backward. The planner leaves it out of the rest: counted in, a loop that waits for each whole
+        update made its flushes look like rest, and the plan staged more every step (22 to 41 of 55 at 1.36B
+        on an H200, docs/benchmarks/overlap.md calls 136-141). Host work of the loop's own between ``step()``
+        and the forward counts as idle too: the rest then reads short by at most this tail, an error that
+        does not feed itself."""
         until = self._ended if self._forward_at is None else min(self._ended, self._forward_at)
         return max(0.0, until - self._started - params_done_s)
 
