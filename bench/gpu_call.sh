@@ -14,7 +14,8 @@
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
 #   ITERS=N: suite steps time N iterations each way (default 5)
 #   ROUNDS=N: suite steps run their systems N times, alternating; bench.rounds pairs them into rounds.log
-#   PHASES=0: suite steps synchronise no iteration (bench.run_system --no-phases), as a loop that never does
+#   PHASES=0: suite steps synchronise no iteration (bench.run_system --no-phases), as a loop that never does;
+#   PHASES=peers: only ours do not (bench.suite --phases peers: our rows as a loop runs, the peers' breakdown)
 #   After each suite step, bench.walls prints its rows' step records (CPU path rate included) into walls.log
 set -u
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
@@ -48,7 +49,7 @@ for step in "$@"; do
     suite|again) before=$(cat $results 2>/dev/null | wc -l)
              python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
              --iters ${ITERS:-5} --rounds ${ROUNDS:-1} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
-             $([ $kind = again ] && echo --again) $([ "${PHASES:-1}" = 0 ] && echo --no-phases) 2>&1 \
+             $([ $kind = again ] && echo --again) --phases $(case ${PHASES:-1} in 0) echo none;; peers) echo peers;; *) echo all;; esac) 2>&1 \
              | tee -a $R/suite.log
              added=$(($(cat $results 2>/dev/null | wc -l) - before))  # this step's rows: their steps' records
              [ $added -gt 0 ] && python3 -m bench.walls --last $added $results --references $R/results.jsonl 2>&1 \

@@ -323,7 +323,8 @@ def _fake_runs(monkeypatch, **result) -> list[str]:
 
 
 def test_suite_passes_no_phases_to_each_run(tmp_path, monkeypatch):
-    """``--no-phases`` reaches each run's command line (and so its row), and only when asked for."""
+    """``--phases none`` (and ``peers``, for ours only) reaches each run's command line as ``--no-phases``
+    (and so its row), and only when asked for."""
     commands = []
 
     def fake_subprocess_run(cmd, **kwargs):
@@ -334,10 +335,12 @@ def test_suite_passes_no_phases_to_each_run(tmp_path, monkeypatch):
     monkeypatch.setattr(suite.subprocess, "run", fake_subprocess_run)
     monkeypatch.setattr(report, "write_report", lambda *a: 0)
     out = tmp_path / "results.jsonl"
-    suite.main(["--models", "tiny", "--systems", "ours_auto", "--out", str(out), "--no-phases"])
+    suite.main(["--models", "tiny", "--systems", "ours_auto", "--out", str(out), "--phases", "none"])
     suite.main(["--models", "tiny", "--systems", "gpu_adamw", "--out", str(out)])
-    assert ["--no-phases" in cmd for cmd in commands] == [True, False]
-    assert [json.loads(line)["phases"] for line in out.read_text().splitlines()] == [False, True]
+    suite.main(["--models", "tiny", "--systems", "ours_auto,gpu_adamw", "--out", str(out), "--again",
+                "--phases", "peers"])
+    assert ["--no-phases" in cmd for cmd in commands] == [True, False, True, False]
+    assert [json.loads(line)["phases"] for line in out.read_text().splitlines()] == [False, True, False, True]
 
 
 def test_suite_deadline_leaves_the_rest_for_the_next_call(tmp_path, monkeypatch):
