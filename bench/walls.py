@@ -11,7 +11,7 @@ the median of the timed walls' backward; the CPU path's rate inside the update
 (``cpu_path_rate``; with it each model's correlation of that rate with the iteration, over the runs shown);
 what the host gave the timed loop (``bench.host_load``: the hypervisor's steal, the process's threads
 preempted per second, the host copy's GB/s measured before the first step; each correlated with the
-iteration like the rate); the loss's largest gap to the reference run of the same model and batch
+iteration like the rate); what the timed loop started from (``carried_into_loop``); the loss's largest gap to the reference run of the same model and batch
 (``report.loss_gap``), found among the rows read and those of ``--references``.
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
@@ -120,6 +120,27 @@ def loop_peak_came(row: dict) -> tuple[float, int, int] | None:
     return so_far[-1], so_far.index(so_far[-1]) + 1, len(so_far)
 
 
+def carried_into_loop(row: dict) -> tuple[int | None, int | None, float | None] | None:
+    """What the timed loop started from: the subgroups its first update filled during backward, and the plan
+    and learnt rest in force before it (the last step of the warm-up or the synchronised phases). After the
+    phases those fills were 34-40 of 55 at 1.36B on an H200 against a median of 12-17 later in the loop
+    (overlap.md calls 142-145), and the loop's peak came with them. None where the history does not reach
+    back that far."""
+    history, loop = row.get("history") or [], len(row.get("iter_walls_s") or []) + 1
+    if len(history) <= loop:
+        return None
+    first, before = history[-loop], history[-loop - 1]
+    return first.get("prefetched"), before.get("planned_staged"), before.get("rest_s")
+
+
+def _carried(row: dict) -> str:
+    carried = carried_into_loop(row)
+    if carried is None:
+        return "-"
+    fills, planned, rest = carried
+    return f"{'-' if fills is None else fills} ({'-' if planned is None else planned}, {_fmt(rest)})"
+
+
 def _peak(row: dict) -> str:
     """The run's peak GPU memory and, in brackets, the need over forward and backward that the budget measured
     (the peak less the residents and the step's fills): with ``overlap`` that need also holds what the last
@@ -156,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
           "| forward wait s | rest learnt s | idle tail s | backward s | CPU path G el/s | steal | preempted /s "
           "| host copy GB/s "
           "| peak GPU GB (need; the timed loop's, in its iteration) | new GPU segments (reserved GB) "
-          "| loss vs reference |\n" + "|---" * 18 + "|")
+          "| loop's first fills (staged planned, rest s before it) | loss vs reference |\n" + "|---" * 19 + "|")
     seen, by_model, fills = set(), {}, {}
     for path, row in runs:
         if row.get("status") != "ok" or not str(row.get("system")).startswith("ours") or not row.get("walls_split_s"):
@@ -173,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
               f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {_fmt(r['idle_tail_s'])} | {backward:.3f} | "
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
-              f"{_num(host['copy_GBps'], 1)} | {_peak(row)} | {_segments(row)} | {gap} |")
+              f"{_num(host['copy_GBps'], 1)} | {_peak(row)} | {_segments(row)} | {_carried(row)} | {gap} |")
         if r["prefetched"] is not None:  # fills during backward against backward's host seconds
             fills.setdefault(row["model"], []).append((r["prefetched"], backward))
         for name, value in (("the CPU path's rate in the update", cpu), ("the host's steal", host["steal"]),

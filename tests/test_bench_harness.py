@@ -451,7 +451,7 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     out = capsys.readouterr().out
     assert "| ours_a | 1.000 | 0 of 3 |" in out and "gpu_adamw" not in out
     assert "| ours_b | 1.000 | 2 of 3 | 0.103 | 0.200 | 0.190 | 0.100 | 0.100 | - | 0.100 | 2.00 | - | - | - " \
-        "| 10.0 | - | 1.00% |" in out
+        "| 10.0 | - | - (-, 0.150) | 1.00% |" in out  # the loop's first step: no fills recorded
     walls.main([str(results)])
     assert "| 2.00 | - |" in capsys.readouterr().out  # no reference for its batch
     walls.main(["--last", "1", str(results)])
@@ -478,7 +478,7 @@ def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, c
     out = capsys.readouterr().out
     assert "| 44.4 (28.5) | 25 (38.1 -> 38.9) |" in out and "| 0 |" in out and "| 50 |" in out
     lines = {line.split(" | ")[2]: line for line in out.splitlines() if "| ours_a |" in line}
-    assert lines["0.300"].endswith("| 0 | - |") and lines["0.500"].endswith("| - | - |")  # its count not shown
+    assert lines["0.300"].endswith("| 0 | - | - |") and lines["0.500"].endswith("| - | - | - |")  # its count not shown
     assert walls.new_segments(expandable) is None
     assert "the GPU allocator's new segments against the iteration, r = 1.00 over 3 runs" in out
 
@@ -522,6 +522,26 @@ def test_walls_say_in_which_iteration_the_timed_loops_peak_came(tmp_path, capsys
     walls.main([str(results)])
     out = capsys.readouterr().out
     assert "| 45.1 (28.9); loop 45.1 in 2 of 5 |" in out and "| 45.1 (28.9) |" in out
+
+
+def test_walls_show_what_the_timed_loop_started_from(tmp_path, capsys):
+    """The loop's first update's fills and the plan and rest learnt before it: 3 synchronised steps that
+    climbed to 39 planned and a rest of 0.35 s, then a loop of 2 counted iterations (3 records) whose first
+    update filled 39; a history no longer than the loop's has nothing before it."""
+    split = [{"forward": 0.1, "backward": 0.1, "step": 0.01, "loss_read": 0.0}] * 2
+    phases = [{"planned_staged": 24, "rest_s": 0.1, "prefetched": 0},
+              {"planned_staged": 31, "rest_s": 0.2, "prefetched": 12},
+              {"planned_staged": 39, "rest_s": 0.35, "prefetched": 30}]
+    loop = [{"planned_staged": 19, "rest_s": 0.05, "prefetched": 39},
+            {"planned_staged": 24, "rest_s": 0.12, "prefetched": 13},
+            {"planned_staged": 25, "rest_s": 0.12, "prefetched": 12}]
+    row = _row("ours_a", iter_s=0.3, iter_walls_s=[0.3] * 2, walls_split_s=split, history=phases + loop)
+    assert walls.carried_into_loop(row) == (39, 39, 0.35)
+    assert walls.carried_into_loop({**row, "history": loop}) is None
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(row) + "\n")
+    walls.main([str(results)])
+    assert "| 39 (39, 0.350) |" in capsys.readouterr().out
 
 
 def test_walls_relate_the_cpu_paths_rate_to_the_iteration(tmp_path, capsys):
