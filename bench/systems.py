@@ -68,6 +68,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          launch_share: float | None = None,
          staged_share: float | None = None,
          fill_cap: float | None = None,
+         fills_within_backward: bool | None = None,
          flush_ahead_last: bool | None = None,
          kernel_defines: tuple[str, ...] = (),
          allocator: str | None = None) -> Callable[[str, torch.device, int], Trainer]:
@@ -85,6 +86,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     evenly, as a fixed schedule (the performance model does not choose: what another split gives); ``fill_cap``:
     ``plan.FILL_CAP`` for this process (``prefetch`` fills at most that many times what the link carries in
     the rest of the iteration; math.inf: as many as the memory holds, the library before 2026-12-02);
+    ``fills_within_backward``: ``plan.FILLS_WITHIN_BACKWARD`` for this process (what the link carries in
+    backward's span of final gradients, where shorter than the rest, bounds the fills);
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
     ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
@@ -95,6 +98,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             optimizer_module.LAUNCH_SHARE = launch_share
         if fill_cap is not None:
             plan_module.FILL_CAP = fill_cap
+        if fills_within_backward is not None:
+            plan_module.FILLS_WITHIN_BACKWARD = fills_within_backward
         if flush_ahead_last is not None:
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
         if allocator is not None and device.type == "cuda":
@@ -130,6 +135,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                             "predicted_s": None if pred is None else round(pred.seconds, 4),
                             "predicted_iteration_s": None if pred is None else round(pred.iteration_s, 4),
                             "rest_s": round(opt.planner.rest_s, 4),
+                            "backward_s": None if opt.planner.backward_s is None else round(opt.planner.backward_s, 4),
                             "update_s": None if u is None else round(u.seconds, 4),
                             "staged": None if u is None else u.staged_subgroups,
                             "params_written_s": None if u is None or u.params_written_s is None
@@ -187,6 +193,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + (f"CPU path AdamW on {path_threads} threads, " if path_threads else "")
                        + (f"fixed schedule: {staged_share:.0%} of the subgroups staged, " if staged_share else "")
                        + (f"fills ahead capped at {fill_cap} x what the rest carries, " if fill_cap is not None else "")
+                       + ("fills ahead within what backward's span carries, " if plan_module.FILLS_WITHIN_BACKWARD
+                          else "")
                        + "CPU path's params up by the copy engine, "
                        + ("flushes filled ahead last, " if engine_module.FLUSH_AHEAD_LAST
                           else "flushes in the update's order, ")
@@ -379,6 +387,12 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # machines): peak 44.35 -> 28.47 and 45.14 -> 28.87 GB, the iteration x1.069, faster in 1 of 6
     "ours_offload_overlap_spec_prefetch_bf16_release": defaults(prefetch="release"),
     "ours_offload_overlap_clip_spec_prefetch_bf16_release": defaults(clip=True, prefetch="release"),
+    # the defaults with the fills during backward bounded by what the link carries in backward's span of final
+    # gradients where shorter than the learnt rest (plan.FILLS_WITHIN_BACKWARD): in the synchronised phases the
+    # rest rose from 0.105-0.149 to 0.35-0.49 s with the fills, and the plan from 24 to 39-40 of 55 staged, while
+    # a loop free from its first step learnt 0.08-0.16 s (calls 142-145); to pair with the defaults, phased and free
+    "ours_offload_overlap_spec_prefetch_bf16_bwdfills": defaults(fills_within_backward=True),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_bwdfills": defaults(clip=True, fills_within_backward=True),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

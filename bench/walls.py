@@ -48,10 +48,11 @@ def step_records(row: dict) -> dict[str, float | None]:
     mostly; what the fills planned during backward are sized by), what of the update after its last param
     write ran before the next forward began (``idle_tail_s``, left out of that rest: about 0 in a loop whose
     forward follows ``step()``; rows before 2026-12-04's forty-fourth session have none) and the subgroups
-    filled during backward."""
+    filled during backward; and backward's span of final gradients the planner learnt (``backward_s``, which
+    ``plan.FILLS_WITHIN_BACKWARD`` bounds the fills by; rows before 2026-12-04's forty-fifth session have none)."""
     steps = row.get("history", [])[-STEPS:]
     out = {}
-    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s", "idle_tail_s", "prefetched"):
+    for key in ("update_s", "params_done_s", "forward_wait_s", "rest_s", "idle_tail_s", "prefetched", "backward_s"):
         values = [s[key] for s in steps if s.get(key) is not None]
         out[key] = statistics.median(values) if values else None
     return out
@@ -133,6 +134,12 @@ def carried_into_loop(row: dict) -> tuple[int | None, int | None, float | None] 
     return first.get("prefetched"), before.get("planned_staged"), before.get("rest_s")
 
 
+def _rest(records: dict) -> str:
+    """The learnt rest and, where recorded, backward's span in brackets."""
+    span = records.get("backward_s")
+    return _fmt(records["rest_s"]) + ("" if span is None else f" ({span:.3f})")
+
+
 def _carried(row: dict) -> str:
     carried = carried_into_loop(row)
     if carried is None:
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
-          "| forward wait s | rest learnt s | idle tail s | backward s | CPU path G el/s | steal | preempted /s "
+          "| forward wait s | rest learnt s (backward span) | idle tail s | backward s | CPU path G el/s | steal | preempted /s "
           "| host copy GB/s "
           "| peak GPU GB (need; the timed loop's, in its iteration) | new GPU segments (reserved GB) "
           "| loop's first fills (staged planned, rest s before it) | loss vs reference |\n" + "|---" * 19 + "|")
@@ -192,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         backward = statistics.median(split["backward"] for split in row["walls_split_s"])
         print(f"| {path.parent.name}/{path.name} | {s['system']} | {s['iter_s']:.3f} | {s['waited']} of "
               f"{s['walls']} | {s['walls_sd_s']:.3f} | {_fmt(r['update_s'])} | {_fmt(r['params_done_s'])} | "
-              f"{_fmt(r['forward_wait_s'])} | {_fmt(r['rest_s'])} | {_fmt(r['idle_tail_s'])} | {backward:.3f} | "
+              f"{_fmt(r['forward_wait_s'])} | {_rest(r)} | {_fmt(r['idle_tail_s'])} | {backward:.3f} | "
               f"{_num(cpu, 2)} | {_pct(host['steal'])} | {_num(host['preempted_per_s'], 0)} | "
               f"{_num(host['copy_GBps'], 1)} | {_peak(row)} | {_segments(row)} | {_carried(row)} | {gap} |")
         if r["prefetched"] is not None:  # fills during backward against backward's host seconds

@@ -597,6 +597,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         finally:
             self.planner.budget.new_step()
             if self.grad_stream is not None:
+                self.planner.observe_backward(self.grad_stream.backward_s())
                 self.grad_stream.reset()
             self._drop_ahead()  # those the update did not take: a skipped step's (the next backward refills)
             self._undo_ahead()  # those the step did not keep (a skipped or failed step's)

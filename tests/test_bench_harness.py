@@ -436,7 +436,8 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
                   history=history, losses=[10.0, 9.0, 8.1], subgroups=10, params=1_000_000_000)
     assert walls.step_records(racing) == pytest.approx({"update_s": 0.2, "params_done_s": 0.19,
                                                         "forward_wait_s": 0.1, "rest_s": 0.1,
-                                                        "idle_tail_s": None, "prefetched": None})  # the 13th
+                                                        "idle_tail_s": None, "prefetched": None,
+                                                        "backward_s": None})  # the 13th
     # left out; no fills, and no idle tail (rows before it was recorded)
     assert walls.cpu_path_rate(racing) == pytest.approx(2.0)  # 5 subgroups of 1e8 elements in 0.25 s
     assert walls.cpu_path_rate(steady) is None
@@ -538,6 +539,7 @@ def test_walls_show_what_the_timed_loop_started_from(tmp_path, capsys):
     row = _row("ours_a", iter_s=0.3, iter_walls_s=[0.3] * 2, walls_split_s=split, history=phases + loop)
     assert walls.carried_into_loop(row) == (39, 39, 0.35)
     assert walls.carried_into_loop({**row, "history": loop}) is None
+    assert walls._rest({"rest_s": 0.12, "backward_s": 0.1}) == "0.120 (0.100)"
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(row) + "\n")
     walls.main([str(results)])
@@ -739,6 +741,24 @@ def test_the_release_variant_of_ours_releases_the_slots_filled_ahead_at_their_fl
                          micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")
     assert row["losses"][-1] < row["losses"][0]
+
+
+def test_the_bwdfills_variant_bounds_the_fills_by_backwards_span_and_records_it(monkeypatch):
+    """`_bwdfills` turns on ``plan.FILLS_WITHIN_BACKWARD`` for its process and says so in the row's settings; the
+    defaults leave it off; either way the steps record the backward span the planner learnt, and it trains."""
+    from bench.systems import SYSTEMS
+    from deep_optimizer_states.planning import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", False)  # restored after: the variant sets it
+    plain = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16"]("tiny", torch.device("cpu"), 1)
+    assert not plan_module.FILLS_WITHIN_BACKWARD and "backward's span" not in plain.settings
+    name = "ours_offload_overlap_spec_prefetch_bf16_bwdfills"
+    trainer = SYSTEMS[name]("tiny", torch.device("cpu"), 1)
+    assert plan_module.FILLS_WITHIN_BACKWARD and "fills ahead within what backward's span carries" in trainer.settings
+    row = run_system.run(name, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+    assert row["losses"][-1] < row["losses"][0]
+    assert all(step["backward_s"] is not None and step["backward_s"] >= 0 for step in row["history"])
 
 
 @pytest.mark.parametrize("variant,setting", [("expandable", "expandable_segments:True"),

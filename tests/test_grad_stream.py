@@ -13,6 +13,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import time
 import weakref
 
 import pytest
@@ -83,6 +84,32 @@ def test_with_clipping_and_accumulation_over_three_micro_batches():
     o1, _ = _lockstep(tiny_llama, micro=3, max_norm=0.3, schedule=2, subgroup_size=3000, lr=1e-2, check=check)
     assert all(n == o1.placements.count(Placement.CPU) for n in kept), "only the final micro-batch streams"
     _lockstep(tiny_llama, micro=2, schedule="cpu", subgroup_size=5000, lr=1e-2, max_grad_norm=0.5)
+
+
+def test_backwards_span_of_final_gradients_reaches_the_planner():
+    """The host seconds from a step's first final gradient to its last (what ``plan.FILLS_WITHIN_BACKWARD``
+    bounds the fills by): spans only the last micro-batch's backward, which a slow hook in it lengthens;
+    none before a final gradient and after the step; none without ``stream_grads``."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, stream_grads=True, schedule="cpu", subgroup_size=2000)
+    gen = torch.Generator().manual_seed(0)
+    assert opt.grad_stream.backward_s() is None and opt.planner.backward_s is None
+    with opt.accumulating():
+        loss_of(model, gen).backward()
+    assert opt.grad_stream.backward_s() is None, "a non-final micro-batch's gradients are not final"
+    # the output layer's gradients are final first; a hook registered after ours runs after it, so the
+    # other layers' final gradients come at least 50 ms after the first
+    list(model.parameters())[-1].register_post_accumulate_grad_hook(lambda p: time.sleep(0.05))
+    loss_of(model, gen).backward()
+    span = opt.grad_stream.backward_s()
+    assert span is not None and span >= 0.05
+    opt.step()
+    assert opt.planner.backward_s == span and opt.grad_stream.backward_s() is None
+    plain_model = mlp()
+    plain = DeepOptimizerStates(plain_model, schedule="cpu", subgroup_size=2000)
+    loss_of(plain_model, gen).backward()
+    plain.step()
+    assert plain.planner.backward_s is None
 
 
 def test_non_final_micro_batches_keep_their_gradients():

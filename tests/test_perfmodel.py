@@ -12,6 +12,7 @@ import torch
 from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states.core.schedule import placements, spread
 from deep_optimizer_states.planning import calibrate
+from deep_optimizer_states.planning import plan as plan_module
 from deep_optimizer_states.planning.perfmodel import (
     Rates,
     Window,
@@ -375,6 +376,35 @@ def test_fills_are_priced_as_far_as_the_link_carries_them_in_the_rest(monkeypatc
     _observed_updates(unknown, 2)
     unknown.observe_step(1.0, 0.79)
     assert unknown.rest_s == pytest.approx(0.21) and unknown.carried == math.inf
+
+
+def test_fills_within_backward_bound_what_is_carried_by_backwards_span(monkeypatch):
+    """With ``FILLS_WITHIN_BACKWARD`` the fills are carried in backward's span of final gradients where it is
+    shorter than the learnt rest (a loop that synchronises after backward lengthens that rest by the fills it
+    waits for); the least recent span counts, none seen leaves the rest; off (the default), the rest alone."""
+    sizes = equal(208)
+    planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
+    planner.plan("offload")
+    _observed_updates(planner, 2)
+    for _ in range(3):
+        planner.observe_step(1.0, 0.65)
+    assert planner.rest_s == pytest.approx(0.35) and planner.backward_s is None
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", True)
+    assert planner.fill_window_s == pytest.approx(0.35)  # no backward seen yet
+    for seconds in (0.14, None, 0.12, 0.13):  # None: a step with no streamed gradient says nothing
+        planner.observe_backward(seconds)
+    assert planner.backward_s == pytest.approx(0.12) and planner.fill_window_s == pytest.approx(0.12)
+    assert planner.carried == pytest.approx(0.12 * H200_BF16.link_contended / 12)
+    assert planner.filled == pytest.approx(planner.carried)
+    bounded = planner.refresh().prediction.staged
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", False)
+    assert planner.fill_window_s == pytest.approx(0.35)
+    assert planner.carried == pytest.approx(0.35 * H200_BF16.link_contended / 12)
+    assert planner.refresh().prediction.staged > bounded  # more carried in the longer rest: more staged
+    for _ in range(5):
+        planner.observe_step(1.0, 0.95)  # a rest of 0.05 s, shorter than backward's span: the rest bounds
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", True)
+    assert planner.fill_window_s == pytest.approx(0.05)
 
 
 @pytest.mark.parametrize("start_rest", [0.6, 0.0])

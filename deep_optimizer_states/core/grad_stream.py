@@ -17,6 +17,7 @@ their gradients on the GPU.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Callable, Iterator
 
@@ -68,6 +69,15 @@ class GradStream:
         self._measure_queued = False  # the end of this backward will take the norms left
         self.taken: set[int] = set()  # id(param): gradient given back after its subgroups went down
         self._buffer = None
+        self.first_final_at: float | None = None  # host clock (perf_counter) at this step's first final gradient
+        self.last_final_at: float | None = None  # ... and at its latest
+
+    def backward_s(self) -> float | None:
+        """Host seconds from this step's first final gradient to its last: the span of backward in which
+        gradients leave and slots are filled ahead (``Planner.observe_backward``); None before any."""
+        if self.first_final_at is None or self.last_final_at is None:
+            return None
+        return self.last_final_at - self.first_final_at
 
     def close(self) -> None:
         for h in self._handles:
@@ -102,6 +112,9 @@ class GradStream:
                                "(the first one's may have left the GPU): run the backward of every micro-batch but "
                                "the last under `with opt.accumulating():`, or call opt.zero_grad() between steps")
         self.versions[id(p)] = local(p.grad)._version
+        self.last_final_at = time.perf_counter()
+        if self.first_final_at is None:
+            self.first_final_at = self.last_final_at
         self._unmeasured.append(p)
         if not self._measure_queued:
             self._queue_measure()

@@ -61,6 +61,10 @@ AHEAD_WINDOW = 5  # recent updates whose median of CPU elements kept from specul
 REPLAN_AHEAD = 0.02  # ... and plans again when that head start moved by more than this share of all elements
 REPLAN_REST = 0.1  # ... or the rest of the overlapped iteration by more than this share of it
 FILL_CAP = 1.0  # slots filled ahead hold at most this many times what the link carries in the rest (``carried``)
+# ``carried`` from backward's span (first to last final gradient) where it is shorter than the learnt rest: off
+# until paired rounds on an H200 time it (a loop that synchronises the device after backward counts the fills'
+# own link time as rest, and its plan climbed from 24 to 39-40 of 55 staged at 1.36B: overlap.md calls 142-145)
+FILLS_WITHIN_BACKWARD = False
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,7 @@ class Planner:
         self.overlap, self.prefetch = overlap, prefetch
         self._filled_seen: deque[int] = deque(maxlen=AHEAD_WINDOW)  # staged elements found filled, fills short
         self._rest_seen: deque[float] = deque(maxlen=AHEAD_WINDOW)  # seconds of each step outside its update
+        self._backward_seen: deque[float] = deque(maxlen=AHEAD_WINDOW)  # each backward's span of final gradients
         self._planned_window = Window()
         self._pending = False  # "auto" runs a provisional plan until calibration
         self._announced = False
@@ -198,7 +203,27 @@ class Planner:
         rates = self.known_rates()
         if not self.overlap or rates is None:
             return math.inf
-        return self.rest_s * rates.link_contended / STAGED_BYTES
+        return self.fill_window_s * rates.link_contended / STAGED_BYTES
+
+    @property
+    def fill_window_s(self) -> float:
+        """The seconds whose link time ``carried`` counts: the learnt rest, or with ``FILLS_WITHIN_BACKWARD``
+        backward's span where it is shorter (fills start at the first final gradient; a loop that
+        synchronises after backward lengthens the rest by the fills it waits for, not that span)."""
+        if FILLS_WITHIN_BACKWARD and self._backward_seen:
+            return min(self.rest_s, min(self._backward_seen))
+        return self.rest_s
+
+    def observe_backward(self, seconds: float | None) -> None:
+        """Learn backward's span from a step's first final gradient to its last (host seconds; None when no
+        gradient streamed, as without ``stream_grads``)."""
+        if seconds is not None:
+            self._backward_seen.append(seconds)
+
+    @property
+    def backward_s(self) -> float | None:
+        """The least backward span of recent steps (``observe_backward``); None before any."""
+        return min(self._backward_seen, default=None)
 
     @property
     def rest_s(self) -> float:
