@@ -11,8 +11,9 @@ the median of the timed walls' backward; the CPU path's rate inside the update
 (``cpu_path_rate``; with it each model's correlation of that rate with the iteration, over the runs shown);
 what the host gave the timed loop (``bench.host_load``: the hypervisor's steal, the process's threads
 preempted per second, the host copy's GB/s measured before the first step; each correlated with the
-iteration like the rate); what the timed loop started from (``carried_into_loop``); the loss's largest gap to the reference run of the same model and batch
-(``report.loss_gap``), found among the rows read and those of ``--references``.
+iteration like the rate); what the timed loop started from (``carried_into_loop``); the loss's largest gap
+to the reference run of the same model and batch (``report.loss_gap``), found among the rows read and those
+of ``--references``.
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
 That read is a copy to the host, and a direction of the link runs one copy at a time in the order enqueued:
@@ -181,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         if row.get("status") == "ok" and not str(row.get("system")).startswith("ours"):
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
-          "| forward wait s | rest learnt s (backward span) | idle tail s | backward s | CPU path G el/s | steal | preempted /s "
+          "| forward wait s | rest learnt s (backward span) | idle tail s | backward s | CPU path G el/s | steal "
+          "| preempted /s "
           "| host copy GB/s "
           "| peak GPU GB (need; the timed loop's, in its iteration) | new GPU segments (reserved GB) "
           "| loop's first fills (staged planned, rest s before it) | loss vs reference |\n" + "|---" * 19 + "|")
