@@ -407,6 +407,36 @@ def test_fills_within_backward_bound_what_is_carried_by_backwards_span(monkeypat
     assert planner.fill_window_s == pytest.approx(0.05)
 
 
+@pytest.mark.parametrize("within_backward", [False, True])
+def test_a_loop_that_synchronises_after_backward_and_the_fills_it_waits_for(monkeypatch, within_backward):
+    """A simulated loop that synchronises the device after backward (the bench's phases; overlap.md calls
+    142-145): its forward and backward take 0.22 s, backward's span of final gradients 0.12 s, and the
+    synchronize waits for the fills still running after backward, so a step's rest reads 0.22 s plus that
+    overrun. Fills sized by the learnt rest overrun by more each step: the rest and the plan climb (24 to
+    39-40 of 55 staged on the H200). Bounded by backward's span (``FILLS_WITHIN_BACKWARD``) they overrun
+    nothing, and the rest and the plan stay those of a loop that does not synchronise."""
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", within_backward)
+    true_rest, span = 0.22, 0.12
+    planner = _filling_planner(monkeypatch, ONE_36B, H200_BF16, room_elements=10**12)
+    planner.plan("offload")
+    _observed_updates(planner, 2)
+    planner.observe_step(true_rest + 0.2, 0.2)
+    rests, staged = [], []
+    for _ in range(20):
+        fill_s = planner.filled * 12 / H200_BF16.link_contended
+        done_s = predict(ONE_36B, planner.current.placements, H200_BF16, 2, planner.window).seconds
+        _observed_updates(planner, 1)
+        planner.observe_backward(span)
+        planner.observe_step(true_rest + max(0.0, fill_s - span) + done_s, done_s)
+        rests.append(planner.rest_s)
+        staged.append(planner.refresh().prediction.staged)
+    if within_backward:
+        assert rests[-1] == pytest.approx(true_rest) and staged[-5:] == [staged[-1]] * 5
+        assert planner.carried == pytest.approx(span * H200_BF16.link_contended / 12)
+    else:
+        assert rests[-1] > 1.5 * true_rest and staged[-1] > staged[0]
+
+
 @pytest.mark.parametrize("start_rest", [0.6, 0.0])
 def test_a_plan_learnt_in_a_link_bound_loop_reaches_the_best_split(monkeypatch, start_rest):
     """A machine that runs as the model prices it (rest 0.14 s, fills as far as the link carries them in it:
