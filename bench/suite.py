@@ -99,7 +99,9 @@ def timed_in_phases(system: str, phases: str) -> bool:
     return phases == "all" or (phases == "peers" and not system.startswith("ours"))
 
 
-def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace) -> dict:
+def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace,
+            timeout: float | None = None) -> dict:
+    """One system's run in a process of its own, killed after ``timeout`` seconds (default ``--timeout``)."""
     cmd = [sys.executable, "-m", "bench.run_system", "--system", system, "--model", model, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
            str(args.seq), "--data-seed", str(args.data_seed)]
@@ -108,7 +110,7 @@ def run_one(system: str, model: str, budget: float | None, args: argparse.Namesp
     env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or args.timeout, env=env)
         row = parse_result(proc.stdout, proc.stderr, proc.returncode)
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -153,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
              for s in parse_systems(args.systems) if (m, b, s) not in finished]
     jobs = [(r, *cell) for r in range(1, args.rounds + 1) for cell in cells]
     for turn, model, budget, system in jobs:
+        timeout = None
         if args.deadline is not None:
             left = args.deadline - (time.perf_counter() - start)
             need = expected_wall(out, model, budget, system) or 0.0
@@ -160,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"deadline: {model} {budget or 'whole'} {system} left for the next call "
                       f"(about {need:.0f} s by its last run, {max(left, 0):.0f} s left)", flush=True)
                 continue
-        row = run_one(system, model, budget, args)
+            # a run longer than its last (more iterations asked) ends at the deadline as a timeout row, not
+            # past it, where the device's limit would kill the call (H200 call 144: DeepSpeed at 5.2B)
+            timeout = min(args.timeout, left)
+        row = run_one(system, model, budget, args, timeout)
         if args.rounds > 1:
             row.update(round=turn, rounds=args.rounds, series=series)
         with out.open("a") as f:

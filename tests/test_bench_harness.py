@@ -313,7 +313,7 @@ def _fake_runs(monkeypatch, **result) -> list[str]:
     """The suite with each run replaced by a row of ``result`` and no report: the systems started, in order."""
     started = []
 
-    def fake_run(system, model, budget, args):
+    def fake_run(system, model, budget, args, timeout=None):
         started.append(system)
         return {"system": system, "model": model, "budget_gb": budget, **result}
 
@@ -369,6 +369,26 @@ def test_suite_starts_no_run_its_last_recorded_wall_says_the_deadline_would_kill
     suite.main(["--models", "tiny", "--systems", "gpu_adamw,ours_offload_overlap,torchao_offload", "--again",
                 "--out", str(out), "--deadline", "100"])
     assert started == ["ours_offload_overlap", "torchao_offload"]
+
+
+def test_suite_kills_a_run_at_the_deadline_not_past_it(tmp_path, monkeypatch):
+    """Under --deadline each run's process is killed when the time left runs out (a run that takes longer than
+    its last, as with more iterations, becomes a timeout row instead of outliving the call: H200 call 144);
+    without one, after --timeout."""
+    timeouts = []
+
+    def fake_subprocess_run(cmd, **kwargs):
+        timeouts.append(kwargs["timeout"])
+        return subprocess.CompletedProcess(cmd, 0, stdout=run_system.RESULT + json.dumps({"status": "ok"}) + "\n",
+                                           stderr="")
+
+    monkeypatch.setattr(suite.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setattr(report, "write_report", lambda *a: 0)
+    out = tmp_path / "results.jsonl"
+    suite.main(["--models", "tiny", "--systems", "gpu_adamw", "--out", str(out), "--deadline", "100"])
+    suite.main(["--models", "tiny", "--systems", "gpu_adamw", "--out", str(out), "--again"])
+    suite.main(["--models", "tiny", "--systems", "gpu_adamw", "--out", str(out), "--again", "--deadline", "900"])
+    assert 99 < timeouts[0] <= 100 and timeouts[1:] == [280, 280]
 
 
 def test_suite_rounds_alternate_the_systems_and_mark_each_row(tmp_path, monkeypatch):
