@@ -75,15 +75,39 @@ def done(out: Path) -> set[tuple]:
     return {(r["model"], r["budget_gb"], r["system"]) for r in rows if r.get("status") in ("ok", "oom")}
 
 
-def expected_wall(out: Path, model: str, budget: float | None, system: str) -> float | None:
-    """Seconds the newest finished run of this cell took (``wall_s``); for a system of ours never run at
-    this model and budget, the slowest newest run of ours there; None when nothing is known."""
+def iterations(command: str) -> int | None:
+    """How many iterations a run of ``bench.run_system`` with this command line trains: the warm-up, the
+    synchronised phases' (unless ``--no-phases``), and the timed loop's with its uncounted first one; None
+    for a command without ``--iters`` and ``--warmup``."""
+    words = command.split()
+    try:
+        iters, warmup = (int(words[words.index(flag) + 1]) for flag in ("--iters", "--warmup"))
+    except (ValueError, IndexError):
+        return None
+    return (warmup if "--no-phases" in words else warmup + iters) + iters + 1
+
+
+def _scaled_wall(row: dict, command: str | None) -> float:
+    """The row's wall time, its iterations' share rescaled (at its median iteration) to those ``command``
+    trains: a run asked for more iterations than its last takes longer (H200 call 144: DeepSpeed at 5.2B
+    with 12 after 5)."""
+    was, now = iterations(row.get("command") or ""), iterations(command or "")
+    if was is None or now is None or not row.get("iter_s"):
+        return row["wall_s"]
+    return row["wall_s"] + row["iter_s"] * (now - was)
+
+
+def expected_wall(out: Path, model: str, budget: float | None, system: str,
+                  command: str | None = None) -> float | None:
+    """Seconds the newest finished run of this cell took (``wall_s``), rescaled to the iterations of
+    ``command`` where given (``_scaled_wall``); for a system of ours never run at this model and budget,
+    the slowest newest run of ours there; None when nothing is known."""
     if not out.exists():
         return None
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     cell = [r for r in rows if r.get("status") == "ok" and r.get("model") == model
             and r.get("budget_gb") == budget and r.get("wall_s") is not None]
-    newest = {r["system"]: r["wall_s"] for r in cell}  # each system's newest run
+    newest = {r["system"]: _scaled_wall(r, command) for r in cell}  # each system's newest run
     if system in newest:
         return newest[system]
     ours = [w for s, w in newest.items() if system.startswith("ours") and str(s).startswith("ours")]
@@ -99,14 +123,19 @@ def timed_in_phases(system: str, phases: str) -> bool:
     return phases == "all" or (phases == "peers" and not system.startswith("ours"))
 
 
-def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace,
-            timeout: float | None = None) -> dict:
-    """One system's run in a process of its own, killed after ``timeout`` seconds (default ``--timeout``)."""
+def command(system: str, model: str, budget: float | None, args: argparse.Namespace) -> list[str]:
+    """The ``bench.run_system`` command line of one run."""
     cmd = [sys.executable, "-m", "bench.run_system", "--system", system, "--model", model, "--iters",
            str(args.iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
            str(args.seq), "--data-seed", str(args.data_seed)]
     cmd += ["--budget-gb", str(budget)] if budget is not None else []
-    cmd += ["--no-phases"] if not timed_in_phases(system, args.phases) else []
+    return cmd + (["--no-phases"] if not timed_in_phases(system, args.phases) else [])
+
+
+def run_one(system: str, model: str, budget: float | None, args: argparse.Namespace,
+            timeout: float | None = None) -> dict:
+    """One system's run in a process of its own, killed after ``timeout`` seconds (default ``--timeout``)."""
+    cmd = command(system, model, budget, args)
     env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
     t0 = time.perf_counter()
     try:
@@ -158,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         timeout = None
         if args.deadline is not None:
             left = args.deadline - (time.perf_counter() - start)
-            need = expected_wall(out, model, budget, system) or 0.0
+            line = " ".join(command(system, model, budget, args)[1:])
+            need = expected_wall(out, model, budget, system, line) or 0.0
             if need > left:  # the device time it would spend before being killed would be lost
                 print(f"deadline: {model} {budget or 'whole'} {system} left for the next call "
                       f"(about {need:.0f} s by its last run, {max(left, 0):.0f} s left)", flush=True)

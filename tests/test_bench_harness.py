@@ -371,6 +371,28 @@ def test_suite_starts_no_run_its_last_recorded_wall_says_the_deadline_would_kill
     assert started == ["ours_offload_overlap", "torchao_offload"]
 
 
+def test_suite_expects_a_run_asked_for_more_iterations_than_its_last_to_take_longer(tmp_path):
+    """The last run's wall is rescaled at its median iteration to the iterations asked now: DeepSpeed's 5.2B
+    run of 5 timed iterations (2 warm-up, 5 phased, 5 + 1 timed: 13 iterations at 4.5 s, 250 s) asked for 12
+    is expected to take 250 + 4.5 x 14 s; free from the first step (no phases), fewer; a row without its
+    command or iteration keeps its wall."""
+    assert suite.iterations("-m bench.run_system --iters 5 --warmup 2 --seq 16") == 13
+    assert suite.iterations("-m bench.run_system --iters 12 --warmup 2 --no-phases") == 15
+    assert suite.iterations("-m bench.run_system --iters x --warmup 2") is None
+    assert suite.iterations("") is None
+    out = tmp_path / "results.jsonl"
+    row = {"system": "deepspeed_zero3_offload", "model": "5.2b", "budget_gb": None, "status": "ok", "wall_s": 250.0,
+           "iter_s": 4.5, "command": "-m bench.run_system --system deepspeed_zero3_offload --iters 5 --warmup 2"}
+    out.write_text(json.dumps(row) + "\n")
+    twelve = "-m bench.run_system --system deepspeed_zero3_offload --iters 12 --warmup 2"
+    assert suite.expected_wall(out, "5.2b", None, "deepspeed_zero3_offload", twelve) == pytest.approx(250 + 4.5 * 14)
+    assert suite.expected_wall(out, "5.2b", None, "deepspeed_zero3_offload", twelve + " --no-phases") == \
+        pytest.approx(250 + 4.5 * 2)
+    assert suite.expected_wall(out, "5.2b", None, "deepspeed_zero3_offload") == 250.0
+    out.write_text(json.dumps({**row, "command": None}) + "\n")
+    assert suite.expected_wall(out, "5.2b", None, "deepspeed_zero3_offload", twelve) == 250.0
+
+
 def test_suite_kills_a_run_at_the_deadline_not_past_it(tmp_path, monkeypatch):
     """Under --deadline each run's process is killed when the time left runs out (a run that takes longer than
     its last, as with more iterations, becomes a timeout row instead of outliving the call: H200 call 144);
