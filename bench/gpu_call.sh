@@ -12,7 +12,7 @@
 #                                          beside pinned PCIe copies; THREADS default: cores - 1)
 #   e.g. bench/gpu_call.sh 440 bench:1.36b:cpu,1,2,3,4,6,8,auto suite:1.36b:whole suite:5.2b:whole
 #   DATA_SEED=N: suite steps train on another batch and write results-seedN.jsonl (a repeat on fresh data)
-#   ITERS=N: suite steps time N iterations each way (default 5)
+#   ITERS=N: suite steps time N iterations each way (default 5); PEER_ITERS=N: the peers' runs N instead
 #   ROUNDS=N: suite steps run their systems N times, alternating; bench.rounds pairs them into rounds.log
 #   PHASES=0: suite steps synchronise no iteration (bench.run_system --no-phases), as a loop that never does;
 #   PHASES=peers: only ours do not (bench.suite --phases peers: our rows as a loop runs, the peers' breakdown)
@@ -48,7 +48,7 @@ for step in "$@"; do
              --out "$R/update-$model.jsonl" 2>&1 | tee -a $R/bench.log ;;
     suite|again) before=$(cat $results 2>/dev/null | wc -l)
              python3 -m bench.suite --models "$model" --budgets "$arg" --systems "${systems:-all}" --warmup 2 \
-             --iters ${ITERS:-5} --rounds ${ROUNDS:-1} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
+             --iters ${ITERS:-5} ${PEER_ITERS:+--peer-iters $PEER_ITERS} --rounds ${ROUNDS:-1} --deadline $left --out $results ${DATA_SEED:+--data-seed $DATA_SEED} \
              $([ $kind = again ] && echo --again) --phases $(case ${PHASES:-1} in 0) echo none;; peers) echo peers;; *) echo all;; esac) 2>&1 \
              | tee -a $R/suite.log
              added=$(($(cat $results 2>/dev/null | wc -l) - before))  # this step's rows: their steps' records

@@ -1,5 +1,6 @@
 """The comparison harness's own logic on the CPU: parsing, budgets, tables, the loss check, a smoke run."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -391,6 +392,20 @@ def test_suite_expects_a_run_asked_for_more_iterations_than_its_last_to_take_lon
     assert suite.expected_wall(out, "5.2b", None, "deepspeed_zero3_offload") == 250.0
     out.write_text(json.dumps({**row, "command": None}) + "\n")
     assert suite.expected_wall(out, "5.2b", None, "deepspeed_zero3_offload", twelve) == 250.0
+
+
+def test_suite_times_the_peers_for_peer_iters_and_ours_for_iters():
+    """``--peer-iters`` sets the peers' timed iterations apart from ours' (``--iters``); without it both
+    take ``--iters``."""
+    args = argparse.Namespace(iters=12, peer_iters=5, warmup=2, micro_batch=4, seq=1024, data_seed=1000,
+                              phases="all")
+    def iters(system: str, namespace: argparse.Namespace) -> int:
+        cmd = suite.command(system, "5.2b", None, namespace)
+        return int(cmd[cmd.index("--iters") + 1])
+
+    assert iters("ours_offload_overlap_spec_prefetch_bf16", args) == 12
+    assert iters("deepspeed_zero3_offload", args) == 5
+    assert iters("deepspeed_zero3_offload", argparse.Namespace(**{**vars(args), "peer_iters": None})) == 12
 
 
 def test_suite_kills_a_run_at_the_deadline_not_past_it(tmp_path, monkeypatch):
