@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             references[(row["system"], *_batch(row))] = row
     print("| file | system | iteration s | loss reads that waited | walls' sd s | update s | params done s "
           "| forward wait s | rest learnt s (backward span) | idle tail s | backward s | CPU path G el/s | steal "
-          "| preempted /s "
-          "| host copy GB/s "
+          "| preempted /s | host copy GB/s "
           "| peak GPU GB (need; the timed loop's, in its iteration) | new GPU segments (reserved GB) "
           "| loop's first fills (staged planned, rest s before it) | loss vs reference |\n" + "|---" * 19 + "|")
     seen, by_model, fills = set(), {}, {}

@@ -204,12 +204,12 @@ class UpdateInFlight:
 
     def _idle_tail_s(self, params_done_s: float) -> float:
         """Seconds of the update after its last param write that ran before the caller's next forward began
-        (its first ``wait_for``; joined before any forward: all of it), beside none of the caller's forward
-        and backward. The planner leaves it out of the rest: counted in, a loop that waits for each whole
-        update made its flushes look like rest, and the plan staged more every step (22 to 41 of 55 at 1.36B
-        on an H200, docs/benchmarks/overlap.md calls 136-141). Host work of the loop's own between ``step()``
-        and the forward counts as idle too: the rest then reads short by at most this tail, an error that
-        does not feed itself."""
+        (its first ``wait_for``; joined before any forward, as by ``opt.synchronize()`` after each step: all
+        of it), beside none of the caller's forward and backward. The planner leaves it out of the rest:
+        counted in, such a loop's flushes would look like rest and stage more each step. (The climb of the
+        bench's synchronised phases, docs/benchmarks/overlap.md calls 136-145, is not this: there the tail was
+        0.) Host work of the loop's own between ``step()`` and the forward counts as idle too: the rest then
+        reads short by at most this tail, an error that does not feed itself."""
         until = self._ended if self._forward_at is None else min(self._ended, self._forward_at)
         return max(0.0, until - self._started - params_done_s)
 

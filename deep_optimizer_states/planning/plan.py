@@ -62,8 +62,8 @@ REPLAN_AHEAD = 0.02  # ... and plans again when that head start moved by more th
 REPLAN_REST = 0.1  # ... or the rest of the overlapped iteration by more than this share of it
 FILL_CAP = 1.0  # slots filled ahead hold at most this many times what the link carries in the rest (``carried``)
 # ``carried`` from backward's span (first to last final gradient) where it is shorter than the learnt rest: off
-# until paired rounds on an H200 time it (a loop that synchronises the device after backward counts the fills'
-# own link time as rest, and its plan climbed from 24 to 39-40 of 55 staged at 1.36B: overlap.md calls 142-145)
+# until paired rounds on an H200 time it (a loop that synchronises the device after backward likely counts the
+# fills' own link time as rest; its plan climbed from 24 to 39-40 of 55 staged at 1.36B: overlap.md calls 142-145)
 FILLS_WITHIN_BACKWARD = False
 
 
@@ -208,10 +208,10 @@ class Planner:
     @property
     def fill_window_s(self) -> float:
         """The seconds whose link time ``carried`` counts: the learnt rest, or with ``FILLS_WITHIN_BACKWARD``
-        backward's span where it is shorter (fills start at the first final gradient; a loop that
-        synchronises after backward lengthens the rest by the fills it waits for, not that span)."""
-        if FILLS_WITHIN_BACKWARD and self._backward_seen:
-            return min(self.rest_s, min(self._backward_seen))
+        backward's span where it is shorter (fills start at the first final gradient; a synchronize after
+        backward may lengthen the rest by the fills it waits for, not that span)."""
+        if FILLS_WITHIN_BACKWARD and self.backward_s is not None:
+            return min(self.rest_s, self.backward_s)
         return self.rest_s
 
     def observe_backward(self, seconds: float | None) -> None:
@@ -256,7 +256,7 @@ class Planner:
         waited for a fill counts in the update), how long the second waited for that update to end
         (``joined_s``: its last flushes, the link's cycle, which the model prices apart) and how much of the
         update after its last write ran before the next forward began (``idle_tail_s``: beside none of the
-        caller's work, as in a loop that synchronises after each step). Without them a link-bound plan would
+        caller's work, as in a loop that calls ``opt.synchronize()`` after each step). Without them a link-bound plan would
         look like a long rest, and the plan would stay link-bound, or grow. The first update's
         step is left out, as its update is (one-off costs: calibration, the bf16 kernel's first call; on an
         H200 its 7 s made the next plan stage 53 of 55 subgroups, overlap.md call 41)."""
