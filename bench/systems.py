@@ -390,9 +390,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # the defaults with the fills during backward bounded by what the link carries in backward's span of final
     # gradients where shorter than the learnt rest (plan.FILLS_WITHIN_BACKWARD): in the synchronised phases the
     # rest rose from 0.105-0.149 to 0.35-0.49 s with the fills, and the plan from 24 to 39-40 of 55 staged, while
-    # a loop free from its first step learnt 0.08-0.16 s (calls 142-145); to pair with the defaults, phased and free
+    # a loop free from its first step learnt 0.08-0.16 s (calls 142-145). The defaults since calls 146-150, where
+    # these names ran beside the defaults of then; `_restfills`: the fills sized by the learnt rest alone (before)
     "ours_offload_overlap_spec_prefetch_bf16_bwdfills": defaults(fills_within_backward=True),
     "ours_offload_overlap_clip_spec_prefetch_bf16_bwdfills": defaults(clip=True, fills_within_backward=True),
+    "ours_offload_overlap_spec_prefetch_bf16_restfills": defaults(fills_within_backward=False),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -800,15 +800,21 @@ def test_the_release_variant_of_ours_releases_the_slots_filled_ahead_at_their_fl
     assert row["losses"][-1] < row["losses"][0]
 
 
-def test_the_bwdfills_variant_bounds_the_fills_by_backwards_span_and_records_it(monkeypatch):
-    """`_bwdfills` turns on ``plan.FILLS_WITHIN_BACKWARD`` for its process and says so in the row's settings; the
-    defaults leave it off; either way the steps record the backward span the planner learnt, and it trains."""
+def test_the_defaults_bound_the_fills_by_backwards_span_and_restfills_does_not(monkeypatch):
+    """The defaults (and `_bwdfills`, their name in calls 146-150) keep ``plan.FILLS_WITHIN_BACKWARD`` on and
+    say so in the row's settings; `_restfills` turns it off for its process (the library before); either way
+    the steps record the backward span the planner learnt, and it trains."""
     from bench.systems import SYSTEMS
     from deep_optimizer_states.planning import plan as plan_module
 
-    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", False)  # restored after: the variant sets it
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", plan_module.FILLS_WITHIN_BACKWARD)  # restored after
+    assert plan_module.FILLS_WITHIN_BACKWARD  # the library's default
+    before = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16_restfills"]("tiny", torch.device("cpu"), 1)
+    assert not plan_module.FILLS_WITHIN_BACKWARD and "backward's span" not in before.settings
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", True)
     plain = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16"]("tiny", torch.device("cpu"), 1)
-    assert not plan_module.FILLS_WITHIN_BACKWARD and "backward's span" not in plain.settings
+    assert "fills ahead within what backward's span carries" in plain.settings
+    monkeypatch.setattr(plan_module, "FILLS_WITHIN_BACKWARD", False)
     name = "ours_offload_overlap_spec_prefetch_bf16_bwdfills"
     trainer = SYSTEMS[name]("tiny", torch.device("cpu"), 1)
     assert plan_module.FILLS_WITHIN_BACKWARD and "fills ahead within what backward's span carries" in trainer.settings

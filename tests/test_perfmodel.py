@@ -381,7 +381,7 @@ def test_fills_are_priced_as_far_as_the_link_carries_them_in_the_rest(monkeypatc
 def test_fills_within_backward_bound_what_is_carried_by_backwards_span(monkeypatch):
     """With ``FILLS_WITHIN_BACKWARD`` the fills are carried in backward's span of final gradients where it is
     shorter than the learnt rest (a loop that synchronises after backward lengthens that rest by the fills it
-    waits for); the least recent span counts, none seen leaves the rest; off (the default), the rest alone."""
+    waits for); the least recent span counts, none seen leaves the rest; off, the rest alone."""
     sizes = equal(208)
     planner = _filling_planner(monkeypatch, sizes, H200_BF16, room_elements=10**12)
     planner.plan("offload")

@@ -61,10 +61,12 @@ AHEAD_WINDOW = 5  # recent updates whose median of CPU elements kept from specul
 REPLAN_AHEAD = 0.02  # ... and plans again when that head start moved by more than this share of all elements
 REPLAN_REST = 0.1  # ... or the rest of the overlapped iteration by more than this share of it
 FILL_CAP = 1.0  # slots filled ahead hold at most this many times what the link carries in the rest (``carried``)
-# ``carried`` from backward's span (first to last final gradient) where it is shorter than the learnt rest: off
-# until paired rounds on an H200 time it (a loop that synchronises the device after backward likely counts the
-# fills' own link time as rest; its plan climbed from 24 to 39-40 of 55 staged at 1.36B: overlap.md calls 142-145)
-FILLS_WITHIN_BACKWARD = False
+# ``carried`` from backward's span (first to last final gradient) where it is shorter than the learnt rest: a loop
+# that synchronises the device after backward counts the fills' own link time as rest, and sized by that rest the
+# plan climbed from 24 to 39-40 of 55 staged at 1.36B (overlap.md calls 142-145). On by default since calls 146-150
+# (one H200): that climb stopped (25 of 55 held, peak 43.5 -> 23.3 GB), and in a loop that never synchronises the
+# iteration's median over 4 pairs 0.3143 against 0.3233 s, faster in 3 of 4, peak 22.1-24.5 against 24.5-28.1 GB
+FILLS_WITHIN_BACKWARD = True
 
 
 @dataclass(frozen=True)
