@@ -15,7 +15,7 @@ import time
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates
-from deep_optimizer_states.core.slots import SLOT_BYTES_PER_ELEMENT
+from deep_optimizer_states.core.slots import FILL_BYTES_PER_ELEMENT
 
 
 class Block(torch.nn.Module):
@@ -46,7 +46,7 @@ def main() -> None:
     opt = DeepOptimizerStates(model, lr=1e-3, schedule=2, subgroup_size=30_000, stream_grads=True, overlap=True,
                               prefetch=True, speculate=True)
     biggest = max(sg.numel for sg in opt.layout.subgroups)
-    opt.planner.room_ahead = lambda resident, ahead: max(0, 2 * SLOT_BYTES_PER_ELEMENT * biggest - ahead)
+    opt.planner.room_ahead = lambda resident, ahead: max(0, 2 * FILL_BYTES_PER_ELEMENT * biggest - ahead)
     x = torch.randn(8, 64).to(torch.bfloat16)
     times = []
     for i in range(args.steps):

@@ -395,6 +395,11 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_bwdfills": defaults(fills_within_backward=True),
     "ours_offload_overlap_clip_spec_prefetch_bf16_bwdfills": defaults(clip=True, fills_within_backward=True),
     "ours_offload_overlap_spec_prefetch_bf16_restfills": defaults(fills_within_backward=False),
+    # the defaults with the model's activation checkpointing (transformers' non-reentrant one), for budgets below
+    # what forward and backward need without it: at a 16 GB budget (DeepSpeed ZeRO-3 offload's peak at 1.36B is
+    # 14.7 GB) the defaults ran out of memory at 1.36B (H200 call 150), the need they learnt at the whole device
+    # 18.2-19.7 GB
+    "ours_offload_overlap_spec_prefetch_bf16_ckpt": defaults(checkpointing=True),
     # every flush in the update's order (the library before H200 call 64, and the defaults of calls 68-70). The
     # defaults since call 70 (the flushes filled ahead last, the CPU path's params up by the copy engine) ran as
     # `_ce` in call 64; the rows named `_mapped` (calls 63-73) took those params up through a kernel reading the

@@ -25,7 +25,7 @@ from .core.layout import Layout, Subgroup, local, subgroup_count
 from .core.overlap import HeldGrads, UpdateInFlight, install_waits
 from .core.prefetch import Prefetch
 from .core.residency import RESIDENT_BYTES_PER_ELEMENT, Residents
-from .core.slots import SLOT_BYTES_PER_ELEMENT
+from .core.slots import FILL_BYTES_PER_ELEMENT
 from .core.ranks import RankSync, local_ranks, shard_group, use_cpu_threads
 from .core.schedule import Placement, Schedule
 from .core.speculate import LAUNCH_SHARE, Speculation
@@ -628,7 +628,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
         self._ran_as_planned = plan is streamed_for
-        staged_ahead = SLOT_BYTES_PER_ELEMENT * sum(sg.numel for sg in self._order_ahead or ())
+        staged_ahead = FILL_BYTES_PER_ELEMENT * sum(sg.numel for sg in self._order_ahead or ())
         self._fills_bounded = self._room_ahead < staged_ahead  # fills short of it: priced by the planner's room
         self.residents.evict(keep={i for i, place in enumerate(self._ran) if place is Placement.RESIDENT})
         position = {id(b): k for k, b in enumerate(self.layout.buckets)}

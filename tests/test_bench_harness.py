@@ -840,6 +840,20 @@ def test_an_allocator_variant_of_ours_says_its_setting_and_sets_it_only_on_a_gpu
     assert row["status"] == "ok", row.get("traceback")
 
 
+def test_the_checkpointing_variant_of_the_defaults_turns_it_on_and_trains():
+    """`_ckpt` is the defaults with the model's activation checkpointing (for budgets below what forward and
+    backward need without it): the model says so, the row's settings too, and it trains as the defaults do."""
+    from bench.systems import SYSTEMS
+
+    name = "ours_offload_overlap_spec_prefetch_bf16_ckpt"
+    trainer = SYSTEMS[name]("tiny", torch.device("cpu"), 1)
+    assert trainer.model.is_gradient_checkpointing and "activation checkpointing" in trainer.settings
+    assert not SYSTEMS["ours_offload_overlap_spec_prefetch_bf16"]("tiny", torch.device("cpu"), 1).model.is_gradient_checkpointing
+    row = run_system.run(name, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
+    assert row["status"] == "ok", row.get("traceback")
+    assert row["losses"][-1] < row["losses"][0]
+
+
 def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
     """bench/trace_loop.py's analysis of a hand-written trace: the marker copies name the streams, each
     iteration counts its streams' busy time and bytes, and a copy that started long after its enqueue call

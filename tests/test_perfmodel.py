@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states.core.slots import FILL_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import placements, spread
 from deep_optimizer_states.planning import calibrate
 from deep_optimizer_states.planning import plan as plan_module
@@ -283,7 +284,7 @@ def _filling_planner(monkeypatch, sizes, rates, room_elements, ahead_cap=0):
     ``room_elements``."""
     planner = Planner(sizes, torch.device("cuda"), 2, rates, ahead_cap=ahead_cap, overlap=True, prefetch=True)
     monkeypatch.setattr(planner, "slots_that_fit", lambda: 2)
-    monkeypatch.setattr(planner, "fill_room", lambda: int(16 * room_elements))
+    monkeypatch.setattr(planner, "fill_room", lambda: int(FILL_BYTES_PER_ELEMENT * room_elements))
     return planner
 
 

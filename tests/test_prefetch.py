@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
-from deep_optimizer_states.core.slots import SLOT_BYTES_PER_ELEMENT as SLOT_BYTES
+from deep_optimizer_states.core.slots import FILL_BYTES_PER_ELEMENT as FILL_BYTES
 from deep_optimizer_states.planning.budget import MemoryBudget
 from deep_optimizer_states.planning.plan import Planner
 from tests.harness import loss_of, mlp, needs_compiler, tiny_llama
@@ -86,19 +86,55 @@ def test_states_filled_ahead_give_the_same_result_bit_for_bit(overlap, kwargs):
     _assert_same(*runs)
 
 
+def test_a_slot_filled_ahead_holds_p_m_v_and_its_update_shares_one_gradient_buffer():
+    """A slot filled ahead is 12 B/element (p, m, v in one allocation, no gradient row); the update takes
+    the gradients of all of them, one after another, into one fp32 buffer of the biggest, which its own
+    buffers count (``device_bytes``) beside the staging slots and the CPU path's scratch."""
+    model = tiny_llama(torch.bfloat16, "cpu", seed=5)
+    opt = DeepOptimizerStates(model, lr=3e-3, subgroup_size=12345, schedule="gpu", stream_grads=True, prefetch=True)
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, UNLIMITED - ahead_bytes)
+    gen = torch.Generator().manual_seed(3)
+    opt.zero_grad()
+    loss_of(model, gen).backward()
+    ready = dict(opt.prefetch.ready)
+    staged = [sg for sg, place in zip(opt.layout.subgroups, opt.placements) if place is Placement.STAGED]
+    assert ready and set(ready) == {sg.index for sg in staged}
+    assert len({sg.numel for sg in staged}) > 1, "subgroups of different sizes share the one buffer"
+    for sg in staged:
+        filled = ready[sg.index]
+        assert not hasattr(filled, "g") and all(t.numel() == sg.numel for t in (filled.p, filled.m, filled.v))
+        base = filled.p.untyped_storage()
+        assert base.nbytes() == FILL_BYTES * sg.numel and FILL_BYTES == 12
+        assert all(t.untyped_storage().data_ptr() == base.data_ptr() for t in (filled.m, filled.v))
+    assert opt.prefetch.bytes() == FILL_BYTES * sum(sg.numel for sg in staged)
+    seen = []
+    update = opt.engine._update_staged
+
+    def spy(job, slot, multipliers, grads, filled=None, filled_grad=None):
+        seen.append(None if filled_grad is None else (filled_grad.data_ptr(), filled_grad.numel()))
+        return update(job, slot, multipliers, grads, filled, filled_grad)
+
+    opt.engine._update_staged = spy
+    opt.step()
+    opt.synchronize()
+    assert len(seen) == len(staged) and len(set(seen)) == 1
+    assert seen[0][1] == max(sg.numel for sg in staged)
+    assert opt.last_update.device_bytes == 4 * seen[0][1]  # on the CPU: no staging slot, no GPU scratch
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_the_room_bounds_the_slots_and_the_first_the_update_takes_come_first(overlap):
     model, opt = _build(True, "llama", overlap=overlap)
     staged = [sg for sg, place in zip(opt.layout.subgroups, opt.placements) if place is Placement.STAGED]
     biggest = max(sg.numel for sg in staged)
-    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, SLOT_BYTES * 2 * biggest - ahead_bytes)
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, FILL_BYTES * 2 * biggest - ahead_bytes)
     taken = []
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         opt.zero_grad()
         loss_of(model, gen).backward()
         taken.append(sorted(opt.prefetch.ready))
-        assert opt.prefetch.bytes() <= SLOT_BYTES * 2 * biggest
+        assert opt.prefetch.bytes() <= FILL_BYTES * 2 * biggest
         opt.step()
         opt.synchronize()
     order = sorted(staged, key=lambda sg: opt._need_order.get(sg.index, len(opt._need_order)))
@@ -202,6 +238,9 @@ def test_the_room_ahead_keeps_the_budget_at_the_measured_peak():
     own = (16 * 4 + 8 + 4) * 1000
     assert planner.room_ahead(0, 0) == 50 * GB - 40 * GB - headroom - own
     assert planner.room_ahead(2 * GB, 3 * GB) == 50 * GB - 40 * GB - headroom - own - 5 * GB
+    filling = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=planner.budget, prefetch=True)
+    assert filling.room_ahead(0, 0) == 50 * GB - 40 * GB - headroom - own - 4 * 1000, \
+        "with prefetch the update also holds the gradient buffer its slots filled ahead share"
     probe.alloc = 45 * GB  # backward holds more now: what is free bounds it
     assert planner.room_ahead(0, 0) == 5 * GB - headroom
 
@@ -226,7 +265,7 @@ def test_the_room_ahead_holds_no_more_than_the_link_carries_in_the_rest():
     assert planner.rest_s == pytest.approx(0.1)
     carried = int(0.1 * H200_LIKE.link_contended / 12)  # elements: 12 B each way the link carries
     assert abs(int(planner.carried) - carried) <= 1
-    cap = int(planner.carried) * SLOT_BYTES
+    cap = int(planner.carried) * FILL_BYTES
     assert planner.fill_cap() == cap and cap < memory
     assert planner.room_ahead(0, 0) == cap
     assert planner.room_ahead(0, cap // 4) == cap - cap // 4, "the slots already filled count against it"
@@ -270,7 +309,7 @@ def test_the_steps_before_a_rest_is_learnt_do_not_hold_the_priced_fills_at_none(
     filled = _train(model, opt, steps=8)
     assert filled[:3] == [0, 0, 0] and filled[-3:] == [staged] * 3, filled
     assert planner.rest_s > 0 and planner.carried > 0
-    assert planner.window.filled == pytest.approx(min(planner.fill_room() // SLOT_BYTES, planner.carried))
+    assert planner.window.filled == pytest.approx(min(planner.fill_room() // FILL_BYTES, planner.carried))
 
 @pytest.mark.parametrize("schedule", ["offload", 2], ids=str)
 def test_the_slots_filled_ahead_are_not_counted_in_the_need_of_forward_and_backward(schedule):
@@ -514,7 +553,7 @@ def test_the_update_writes_the_params_filled_ahead_first_and_flushes_in_order(ah
 
     monkeypatch.setattr(engine, "FLUSH_AHEAD_LAST", ahead_last)
     model, opt = _build(True, "llama")
-    room = 3 * SLOT_BYTES * max(sg.numel for sg in opt.layout.subgroups)
+    room = 3 * FILL_BYTES * max(sg.numel for sg in opt.layout.subgroups)
     opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
     log = []
     update, flush = opt.engine._update_staged, opt.engine._flush
@@ -586,7 +625,7 @@ def test_once_the_room_runs_out_the_gradients_hooks_stop_asking_until_the_step()
     try costs backward's launching thread), and the next step fills as many again."""
     model, opt = _build(True, "llama")
     biggest = max(sg.numel for sg in opt.layout.subgroups)
-    room = 2 * SLOT_BYTES * biggest
+    room = 2 * FILL_BYTES * biggest
     opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
     calls = []
     top_up = opt.prefetch.top_up

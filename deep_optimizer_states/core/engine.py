@@ -312,7 +312,7 @@ class Engine:
             lane.wait(ready)
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
-        jobs, slots, down, up, scratch = self._buffers(jobs, max_slots, landed, ahead)
+        jobs, slots, down, up, scratch, ahead_grad = self._buffers(jobs, max_slots, landed, ahead)
         filled_ahead = set(ahead)  # ``ahead`` loses its entries as their slots go (release_at_flush)
         on_cpu = [j for j in jobs if j.placement is Placement.CPU]
         bf16 = {j.subgroup.index for j in on_cpu if self.takes_bf16(j.subgroup)}
@@ -329,7 +329,8 @@ class Engine:
             for job in (j for j in jobs if j.placement is Placement.RESIDENT):
                 self._update_resident(job, residents, job.subgroup.index in fresh, scratch, multipliers, grads)
             staged = [j for j in jobs if j.placement is Placement.STAGED]
-            updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index])
+            updated = {j.subgroup.index: self._update_staged(j, None, multipliers, grads, ahead[j.subgroup.index],
+                                                             ahead_grad)
                        for j in staged if j.subgroup.index in ahead}  # params first: the next forward waits for them
             turn, later, out = 0, [], None
             for job in staged:  # flushed in order (the next backward fills in this order), but see FLUSH_AHEAD_LAST
@@ -356,7 +357,7 @@ class Engine:
         timeline = self._timeline(origin, start) if self.trace else None
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window, bf16)
-        stats.device_bytes = sum(4 * t.numel() for t in (down, up, scratch) if t is not None) + sum(
+        stats.device_bytes = sum(4 * t.numel() for t in (down, up, scratch, ahead_grad) if t is not None) + sum(
             SLOT_BYTES_PER_ELEMENT * slot.p.numel() for slot in slots)
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
@@ -391,8 +392,9 @@ class Engine:
         return [{"lane": lane, "start": a, "end": b, "label": label} for lane, a, b, label in blocks]
 
     def _buffers(self, jobs: list[Job], count: int, landed: dict, ahead: dict):
-        """Staging slots (for the staged jobs without a slot filled ahead), the CPU path's scratch and the
-        residents' fp32 gradient buffer; those staged jobs fall back to the CPU without memory for slots."""
+        """Staging slots (for the staged jobs without a slot filled ahead), the CPU path's scratch, the
+        residents' fp32 gradient buffer and the one the GPU lane shares across the staged jobs filled ahead
+        (their slots hold no gradient); those staged jobs fall back to the CPU without memory for slots."""
         staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index not in ahead]
         slots = []
         if staged:
@@ -411,7 +413,9 @@ class Engine:
         up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu else None
         resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
-        return jobs, slots, down, up, grads
+        filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
+        ahead_grad = torch.empty(max(filled), dtype=FP32, device=self.device) if filled else None
+        return jobs, slots, down, up, grads, ahead_grad
 
     def on_cpu(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the CPU path's worker thread, after what was queued there before (without a
@@ -462,8 +466,9 @@ class Engine:
         self._on_written(sg.index, self.resident.record(timing=True))
 
     def _update_staged(self, job: Job, slot: Slot | None, multipliers, grads: dict | None,
-                       filled: Ahead | None = None) -> _Flush:
-        """Through ``slot`` (its way in first), or through a slot ``filled`` ahead (only its event awaited); the
+                       filled: Ahead | None = None, filled_grad: torch.Tensor | None = None) -> _Flush:
+        """Through ``slot`` (its way in first), or through a slot ``filled`` ahead (only its event awaited),
+        its gradient in ``filled_grad`` (the GPU lane's buffer: written and read on that lane, in order); the
         states' way back is returned, for ``_flush`` to enqueue."""
         sg = job.subgroup
         n = sg.numel
@@ -475,7 +480,7 @@ class Engine:
                     dst.copy_(src, non_blocking=True)
             self.gpu.wait(self.stage_in.record())
         else:
-            p, g, m, v = filled.p, filled.g, filled.m, filled.v
+            p, g, m, v = filled.p, filled_grad[:n], filled.m, filled.v
             self.gpu.wait(filled.loaded)
         with self.gpu.run(f"sg{sg.index}"):
             _grads_fp32(g, sg, None, multipliers, grads)

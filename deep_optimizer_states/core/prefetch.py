@@ -24,7 +24,7 @@ import torch
 
 from .lanes import Done, Event, Lane, current_point
 from .layout import Subgroup
-from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, slot_tensors
+from .slots import FILL_BYTES_PER_ELEMENT, Ahead, slot_tensors
 
 
 class Prefetch:
@@ -63,7 +63,7 @@ class Prefetch:
         added = 0
         while self._next < len(order):
             sg = order[self._next]
-            need = SLOT_BYTES_PER_ELEMENT * sg.numel
+            need = FILL_BYTES_PER_ELEMENT * sg.numel
             if need > room:
                 self._full = True
                 break
@@ -73,7 +73,7 @@ class Prefetch:
             if before_fill is not None and not added:
                 before_fill(self.step_bytes)
             try:
-                p, g, m, v = slot_tensors(sg.numel, self.device)
+                p, m, v = slot_tensors(sg.numel, self.device, rows=3)
             except torch.cuda.OutOfMemoryError:
                 self._full = True
                 break
@@ -83,7 +83,7 @@ class Prefetch:
             with self.lane.run(timed=False):
                 for dst, src in ((p, sg.master), (m, sg.exp_avg), (v, sg.exp_avg_sq)):
                     dst.copy_(src, non_blocking=True)
-            self.ready[sg.index] = Ahead(p, g, m, v, self.lane.record(), self.lane.stream)
+            self.ready[sg.index] = Ahead(p, m, v, self.lane.record(), self.lane.stream)
             room -= need
             added += 1
             self._next += 1
@@ -111,5 +111,5 @@ class Prefetch:
             return False
         self.lane.synchronize()
         for i in out:
-            self._bytes -= SLOT_BYTES_PER_ELEMENT * self.ready.pop(i).p.numel()
+            self._bytes -= FILL_BYTES_PER_ELEMENT * self.ready.pop(i).p.numel()
         return True

@@ -8,11 +8,17 @@ from dataclasses import dataclass
 import torch
 
 SLOT_BYTES_PER_ELEMENT = 16  # a staging slot: fp32 param, grad, exp_avg, exp_avg_sq
+# a slot filled ahead: fp32 param, exp_avg, exp_avg_sq. Its update reads the gradient from one fp32 buffer the
+# update's GPU lane shares across those subgroups (``FILL_GRAD_BYTES_PER_ELEMENT`` of the biggest), which it
+# writes and reads in stream order: a quarter less memory per slot held from backward into the next forward
+FILL_BYTES_PER_ELEMENT = 12
+FILL_GRAD_BYTES_PER_ELEMENT = 4
 
 
-def slot_tensors(numel: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """One allocation, viewed as p, g, m, v of ``numel`` fp32 elements each."""
-    return torch.empty(4, numel, dtype=torch.float32, device=device).unbind(0)
+def slot_tensors(numel: int, device: torch.device, rows: int = 4) -> tuple[torch.Tensor, ...]:
+    """One allocation, viewed as ``rows`` fp32 tensors of ``numel`` elements each (p, g, m, v; a slot filled
+    ahead: p, m, v)."""
+    return torch.empty(rows, numel, dtype=torch.float32, device=device).unbind(0)
 
 
 class Slot:
@@ -25,11 +31,11 @@ class Slot:
 
 @dataclass
 class Ahead:
-    """One subgroup's states in a slot of their own: p, g, m, v (g is written by the update), the event
-    after which p, m and v hold the host's values, and the stream that copied them in (None on the CPU)."""
+    """One subgroup's states in a slot of their own: p, m, v (the update's gradient goes to the GPU lane's
+    shared buffer), the event after which they hold the host's values, and the stream that copied them in
+    (None on the CPU)."""
 
     p: torch.Tensor
-    g: torch.Tensor
     m: torch.Tensor
     v: torch.Tensor
     loaded: object
@@ -37,8 +43,8 @@ class Ahead:
 
     def release_after(self, *streams: object) -> None:
         """Let the allocator hand this slot's memory out again once the work enqueued so far on its copy-in
-        stream and on ``streams`` has run, instead of when the last reference goes (``record_stream``: p, g,
-        m and v are views of one allocation). The caller then drops its references."""
+        stream and on ``streams`` has run, instead of when the last reference goes (``record_stream``: p, m
+        and v are views of one allocation). The caller then drops its references."""
         for stream in (self.stream, *streams):
             if stream is not None:
                 self.p.record_stream(stream)

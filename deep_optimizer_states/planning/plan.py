@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ..core.engine import STAGED_BYTES
-from ..core.slots import SLOT_BYTES_PER_ELEMENT
+from ..core.slots import FILL_BYTES_PER_ELEMENT, FILL_GRAD_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
 from ..core.ranks import RankSync
 from ..core.residency import RESIDENT_BYTES_PER_ELEMENT
 from ..core.schedule import MODELLED, Placement, Schedule, placements, validate_schedule
@@ -65,7 +65,7 @@ FILL_CAP = 1.0  # slots filled ahead hold at most this many times what the link 
 # that synchronises the device after backward counts the fills' own link time as rest, and sized by that rest the
 # plan climbed from 24 to 39-40 of 55 staged at 1.36B (overlap.md calls 142-145). On by default since calls 146-150
 # (one H200): that climb stopped (25 of 55 held, peak 43.5 -> 23.3 GB), and in a loop that never synchronises the
-# iteration's median over 4 pairs 0.3143 against 0.3233 s, faster in 3 of 4, peak 22.1-24.5 against 24.5-28.1 GB
+# iteration's median over 4 pairs 0.3143 against 0.3231 s, faster in 3 of 4, peak 22.1-24.5 against 24.5-28.1 GB
 FILLS_WITHIN_BACKWARD = True
 
 
@@ -190,7 +190,7 @@ class Planner:
         their plan's staged subgroups; 0 without prefetch."""
         if not self.prefetch:
             return 0.0
-        room = self.fill_room() // SLOT_BYTES_PER_ELEMENT
+        room = self.fill_room() // FILL_BYTES_PER_ELEMENT
         reach = float(min(room, statistics.median(self._filled_seen))) if self._filled_seen else float(room)
         return min(reach, self.carried)
 
@@ -418,10 +418,12 @@ class Planner:
         return int(fits.sum())  # the cumulative sum grows: the ones that fit are a prefix
 
     def _update_buffers(self) -> int:
-        """GPU bytes of the update's own buffers at most: its staging slots, the CPU path's scratch and the
-        residents' gradient buffer, each sized for the biggest subgroup."""
+        """GPU bytes of the update's own buffers at most: its staging slots, the CPU path's scratch, the
+        residents' gradient buffer and (``prefetch``) the one of the subgroups filled ahead, each sized for
+        the biggest subgroup."""
+        fill_grad = FILL_GRAD_BYTES_PER_ELEMENT if self.prefetch else 0
         return (SLOT_BYTES_PER_ELEMENT * self.max_slots + SCRATCH_BYTES_PER_ELEMENT
-                + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * max(self.sizes, default=0)
+                + RESIDENT_SCRATCH_BYTES_PER_ELEMENT + fill_grad) * max(self.sizes, default=0)
 
     def room_ahead(self, resident_bytes: int, ahead_bytes: int) -> int:
         """GPU bytes that slots filled ahead of the update (during backward) may still take: within the
@@ -444,7 +446,7 @@ class Planner:
         (overlap.md, call 46); bounded, 51.5 GB and 1.087 against 1.331 s (calls 51-54)."""
         if math.isinf(FILL_CAP) or math.isinf(self.carried):
             return math.inf
-        return int(FILL_CAP * self.carried) * SLOT_BYTES_PER_ELEMENT
+        return int(FILL_CAP * self.carried) * FILL_BYTES_PER_ELEMENT
 
     def slots_that_fit(self) -> int:
         """How many staging slots (up to ``max_slots``) fit in the GPU memory free at the update, within the
