@@ -33,7 +33,7 @@ import torch
 
 from bench import host_load
 from bench.free_loop import free_running
-from bench.systems import OURS, SYSTEMS
+from bench.systems import OURS, SYSTEMS, Trainer
 from deep_optimizer_states.tools.models import PRESETS
 
 RESULT = "RESULT "
@@ -121,6 +121,36 @@ def allocator_calls(before: dict[str, int] | None, after: dict[str, int] | None)
     return {name: after[name] - before[name] for name in after if name in before}
 
 
+def oom_state(device: torch.device, trainer: Trainer | None, losses_read: int, loop_iterations: int) -> dict:
+    """Where a run that ran out of GPU memory stood: how far it got (iterations whose loss was read before the
+    timed loop, and timed-loop iterations done), the allocator's GB then (allocated, reserved: what the
+    process's memory fraction limits, peak, the limit) and, for ours, the optimizer's view read without
+    waiting for its update (its budget, the need of forward and backward it measured, the slots filled ahead
+    and resident states it held, its last update's staged subgroups and buffers). A 16 GB budget ran out of
+    memory at 1.36B with 13.9 GiB allocated and 0.9 GiB reserved beside it (H200 call 150), a row with
+    none of this to tell why."""
+    state: dict = {"losses_read": losses_read, "loop_iterations": loop_iterations}
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
+        total = torch.cuda.get_device_properties(device).total_memory
+        state.update(allocated_GB=round(torch.cuda.memory_allocated(device) / 1e9, 3),
+                     reserved_GB=round(torch.cuda.memory_reserved(device) / 1e9, 3),
+                     peak_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 3),
+                     limit_GB=round((get_fraction(index) if get_fraction else 1.0) * total / 1e9, 3))
+    opt = getattr(trainer, "optimizer", None)
+    if opt is not None:
+        budget, last = opt.planner.budget, opt.last_update
+        gb = lambda n: None if n is None else round(n / 1e9, 3)
+        state.update(budget_GB=gb(budget.bytes()) if budget.active else None, need_GB=gb(budget.need),
+                     filled_ahead_GB=gb(opt.prefetch.bytes()) if opt.prefetch is not None else None,
+                     resident_GB=gb(opt.residents.bytes()),
+                     last_update=None if last is None else {"staged": last.staged_subgroups,
+                                                            "prefetched": last.prefetched,
+                                                            "buffers_GB": gb(last.device_bytes)})
+    return state
+
+
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -149,6 +179,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
            "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
            "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq, "data_seed": data_seed,
            "thp": transparent_huge_pages()}
+    trainer, losses, peaks = None, [], []  # read by oom_state where a run stops short
     try:
         if device.type == "cuda":
             fraction = budget_fraction(budget_gb, torch.cuda.get_device_properties(device).total_memory)
@@ -162,7 +193,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         copy_gbps = host_load.copy_bandwidth_gbps()  # before any step, so no update of ours runs beside it
         speeds = host_load.vcpu_speeds()
         vocab = PRESETS[model][2]
-        split, losses = [], []
+        split = []
         ids = batch(micro_batch, seq, vocab, device, data_seed)
         if not phases and warmup:
             losses += free_running(lambda: trainer.forward(ids), trainer.backward, trainer.step, warmup - 1)[3]
@@ -177,7 +208,6 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
             before_peak = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
         before, counts, reserved = host_load.Snapshot.take(), allocator_counts(device), reserved_gb(device)
-        peaks = []
         first_wall, walls, splits, more = free_running(lambda: trainer.forward(ids), trainer.backward,
                                                        trainer.step, iters, peak_reader(device, peaks))
         row["allocator_calls"] = allocator_calls(counts, allocator_counts(device))  # over the timed loop
@@ -205,6 +235,11 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
     except Exception as e:  # a system that cannot run is a result too
         row.update(status="oom" if _is_oom(e) else "error", error=f"{type(e).__name__}: {e}"[:800],
                    traceback=traceback.format_exc()[-2000:])
+        if _is_oom(e):
+            try:
+                row["oom_state"] = oom_state(device, trainer, len(losses), len(peaks))
+            except Exception as inner:  # the row and its error come first
+                row["oom_state"] = {"error": f"{type(inner).__name__}: {inner}"[:300]}
     row["host_peak_GB"] = _host_peak_gb()
     return row
 

@@ -840,6 +840,43 @@ def test_an_allocator_variant_of_ours_says_its_setting_and_sets_it_only_on_a_gpu
     assert row["status"] == "ok", row.get("traceback")
 
 
+def test_a_run_out_of_memory_says_how_far_it_got_and_what_the_optimizer_held(monkeypatch):
+    """An OOM row keeps where the run stood (``oom_state``): the loss reads before the timed loop and, for ours,
+    the optimizer's budget view and its last update; an error that is not an OOM gets none."""
+    import dataclasses
+
+    from bench.systems import SYSTEMS
+
+    name = "ours_offload_overlap_spec_prefetch_bf16"
+
+    def failing(message: str, after: int):
+        def build(preset, device, batch):
+            trainer = SYSTEMS[name](preset, device, batch)
+            calls = []
+
+            def backward(loss):
+                calls.append(1)
+                if len(calls) > after:
+                    raise RuntimeError(message)
+                trainer.backward(loss)
+            return dataclasses.replace(trainer, backward=backward)
+        return build
+
+    monkeypatch.setitem(run_system.SYSTEMS, "failing_oom", failing("CUDA out of memory. Tried to allocate 500 MiB", 3))
+    monkeypatch.setitem(run_system.SYSTEMS, "failing_other", failing("boom", 3))
+    row = run_system.run("failing_oom", "tiny", None, iters=2, warmup=2, micro_batch=1, seq=16,
+                         device=torch.device("cpu"))
+    assert row["status"] == "oom"
+    state = row["oom_state"]
+    assert state["losses_read"] == 3 and state["loop_iterations"] == 0  # 2 warm-up and 1 phased step, no loop
+    assert "allocated_GB" not in state  # no GPU: no allocator to read
+    assert state["budget_GB"] is None and state["need_GB"] is None  # no GPU memory budget on the CPU
+    assert state["last_update"]["staged"] >= 0 and state["resident_GB"] == 0
+    other = run_system.run("failing_other", "tiny", None, iters=2, warmup=2, micro_batch=1, seq=16,
+                           device=torch.device("cpu"))
+    assert other["status"] == "error" and "oom_state" not in other
+
+
 def test_the_checkpointing_variant_of_the_defaults_turns_it_on_and_trains():
     """`_ckpt` is the defaults with the model's activation checkpointing (for budgets below what forward and
     backward need without it): the model says so, the row's settings too, and it trains as the defaults do."""
