@@ -121,33 +121,35 @@ def allocator_calls(before: dict[str, int] | None, after: dict[str, int] | None)
     return {name: after[name] - before[name] for name in after if name in before}
 
 
-def oom_state(device: torch.device, trainer: Trainer | None, losses_read: int, loop_iterations: int) -> dict:
+def oom_state(device: torch.device, trainer: Trainer | None, losses_read: int, loop_iterations: int,
+              fraction: float | None = None) -> dict:
     """Where a run that ran out of GPU memory stood: how far it got (iterations whose loss was read before the
     timed loop, and timed-loop iterations done), the allocator's GB then (allocated, reserved: what the
-    process's memory fraction limits, peak, the limit) and, for ours, the optimizer's view read without
+    process's memory ``fraction`` limits, peak, that limit) and, for ours, the optimizer's view read without
     waiting for its update (its budget, the need of forward and backward it measured, the slots filled ahead
-    and resident states it held, its last update's staged subgroups and buffers). A 16 GB budget ran out of
-    memory at 1.36B with 13.9 GiB allocated and 0.9 GiB reserved beside it (H200 call 150), a row with
-    none of this to tell why."""
+    and resident states it held, its last update's staged subgroups and buffers; a failed read of it leaves
+    the rest and says why). A 16 GB budget ran out of memory at 1.36B with 13.9 GiB allocated and 0.9 GiB
+    reserved beside it (H200 call 150), a row with none of this to tell why."""
     state: dict = {"losses_read": losses_read, "loop_iterations": loop_iterations}
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # torch >= 2.8
         total = torch.cuda.get_device_properties(device).total_memory
         state.update(allocated_GB=round(torch.cuda.memory_allocated(device) / 1e9, 3),
                      reserved_GB=round(torch.cuda.memory_reserved(device) / 1e9, 3),
                      peak_GB=round(torch.cuda.max_memory_allocated(device) / 1e9, 3),
-                     limit_GB=round((get_fraction(index) if get_fraction else 1.0) * total / 1e9, 3))
+                     limit_GB=round((1.0 if fraction is None else fraction) * total / 1e9, 3))
     opt = getattr(trainer, "optimizer", None)
     if opt is not None:
-        budget, last = opt.planner.budget, opt.last_update
-        gb = lambda n: None if n is None else round(n / 1e9, 3)
-        state.update(budget_GB=gb(budget.bytes()) if budget.active else None, need_GB=gb(budget.need),
-                     filled_ahead_GB=gb(opt.prefetch.bytes()) if opt.prefetch is not None else None,
-                     resident_GB=gb(opt.residents.bytes()),
-                     last_update=None if last is None else {"staged": last.staged_subgroups,
-                                                            "prefetched": last.prefetched,
-                                                            "buffers_GB": gb(last.device_bytes)})
+        try:
+            budget, last = opt.planner.budget, opt.last_update
+            gb = lambda n: None if n is None else round(n / 1e9, 3)
+            state.update(budget_GB=gb(budget.bytes()) if budget.active else None, need_GB=gb(budget.need),
+                         filled_ahead_GB=gb(opt.prefetch.bytes()) if opt.prefetch is not None else None,
+                         resident_GB=gb(opt.residents.bytes()),
+                         last_update=None if last is None else {"staged": last.staged_subgroups,
+                                                                "prefetched": last.prefetched,
+                                                                "buffers_GB": gb(last.device_bytes)})
+        except Exception as e:  # an update still in flight may change what is read
+            state["optimizer_error"] = f"{type(e).__name__}: {e}"[:300]
     return state
 
 
@@ -179,7 +181,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
            "device_GB": torch.cuda.get_device_properties(device).total_memory / 1e9 if device.type == "cuda" else None,
            "torch": torch.__version__, "micro_batch": micro_batch, "seq": seq, "data_seed": data_seed,
            "thp": transparent_huge_pages()}
-    trainer, losses, peaks = None, [], []  # read by oom_state where a run stops short
+    trainer, losses, peaks, warm, fraction = None, [], [], [], None  # read by oom_state where a run stops short
     try:
         if device.type == "cuda":
             fraction = budget_fraction(budget_gb, torch.cuda.get_device_properties(device).total_memory)
@@ -196,7 +198,8 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
         split = []
         ids = batch(micro_batch, seq, vocab, device, data_seed)
         if not phases and warmup:
-            losses += free_running(lambda: trainer.forward(ids), trainer.backward, trainer.step, warmup - 1)[3]
+            losses += free_running(lambda: trainer.forward(ids), trainer.backward, trainer.step, warmup - 1,
+                                   lambda: warm.append(1))[3]
         for _ in range(warmup + iters if phases else 0):
             loss, fwd = _timed(device, lambda: trainer.forward(ids))
             _, bwd = _timed(device, lambda: trainer.backward(loss))
@@ -237,7 +240,7 @@ def run(system: str, model: str, budget_gb: float | None, iters: int, warmup: in
                    traceback=traceback.format_exc()[-2000:])
         if _is_oom(e):
             try:
-                row["oom_state"] = oom_state(device, trainer, len(losses), len(peaks))
+                row["oom_state"] = oom_state(device, trainer, max(len(losses), len(warm)), len(peaks), fraction)
             except Exception as inner:  # the row and its error come first
                 row["oom_state"] = {"error": f"{type(inner).__name__}: {inner}"[:300]}
     row["host_peak_GB"] = _host_peak_gb()

@@ -369,16 +369,17 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_fixedshares": defaults(kernel_defines=("DOS_FIXED_SHARES",)),
     "ours_offload_overlap_clip_spec_prefetch_bf16_fixedshares": defaults(clip=True,
                                                                          kernel_defines=("DOS_FIXED_SHARES",)),
-    # the defaults with the CUDA caching allocator's expandable segments: the subgroups filled during backward
-    # (a fresh 16 B/element slot each, from the stream forward's activations also take blocks from) go with
-    # backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls 119-124; the cause
-    # may run the other way). Timed in H200 calls 128-129, where the defaults' rows counted 19-34 new segments in
-    # each timed loop: x1.042 in the median of 7 paired rounds, faster in 3; not kept
+    # the defaults with the CUDA caching allocator's expandable segments: the subgroups filled during backward (a
+    # fresh 16 B/element slot each then, 12 B since calls 146-150, from the stream forward's activations also take
+    # blocks from) go with backward's host seconds at 1.36B within each set of rows since call 84 (overlap.md calls
+    # 119-124; the cause may run the other way). Timed in H200 calls 128-129, where the defaults' rows counted 19-34
+    # new segments in each timed loop: x1.042 in the median of 7 paired rounds, faster in 3; not kept
     "ours_offload_overlap_spec_prefetch_bf16_expandable": defaults(allocator="expandable_segments:True"),
     # the defaults with blocks over 256 MB never split by the CUDA caching allocator: a 400 MB slot freed after an
-    # update (16 B x 25M elements at 1.36B) then stays whole for the next fill, instead of being split by the
-    # next forward's activations, which would send the fill to the driver for a new segment (the defaults' 19-34
-    # new segments per timed loop, calls 125-129); to pair with the defaults over a long timed loop
+    # update (16 B x 25M elements at 1.36B; 300 MB at 12 B since calls 146-150) then stays whole for the next fill,
+    # instead of being split by the next forward's activations, which would send the fill to the driver for a new
+    # segment (the defaults' 19-34 new segments per timed loop, calls 125-129); to pair with the defaults over a long
+    # timed loop
     "ours_offload_overlap_spec_prefetch_bf16_maxsplit": defaults(allocator="max_split_size_mb:256"),
     # the defaults with each slot filled ahead released at its flush (prefetch="release"), not at the
     # update's end, which is during the next forward: at 1.36B the peak went with the need measured over forward

@@ -875,6 +875,9 @@ def test_a_run_out_of_memory_says_how_far_it_got_and_what_the_optimizer_held(mon
     other = run_system.run("failing_other", "tiny", None, iters=2, warmup=2, micro_batch=1, seq=16,
                            device=torch.device("cpu"))
     assert other["status"] == "error" and "oom_state" not in other
+    free = run_system.run("failing_oom", "tiny", None, iters=2, warmup=5, micro_batch=1, seq=16,
+                          device=torch.device("cpu"), phases=False)  # a warm-up run as the loop runs, cut short
+    assert free["status"] == "oom" and free["oom_state"]["losses_read"] == 3
 
 
 def test_the_checkpointing_variant_of_the_defaults_turns_it_on_and_trains():

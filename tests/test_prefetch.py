@@ -122,6 +122,40 @@ def test_a_slot_filled_ahead_holds_p_m_v_and_its_update_shares_one_gradient_buff
     assert opt.last_update.device_bytes == 4 * seen[0][1]  # on the CPU: no staging slot, no GPU scratch
 
 
+def test_no_memory_for_the_shared_gradient_buffer_sends_the_subgroups_filled_ahead_to_the_cpu(monkeypatch):
+    """Where the update cannot allocate the gradient buffer its slots filled ahead share, those subgroups take
+    the CPU path that step, with a warning (their host states are untouched: exact), and training goes on:
+    bit for bit the run without prefetch."""
+    runs = []
+    for prefetch in (False, True):
+        model, opt = _build(prefetch, "llama", schedule="gpu")
+        if prefetch:
+            buffers, empty, failing = opt.engine._buffers, torch.empty, []
+
+            def no_memory(*args, **kwargs):
+                if failing:
+                    raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+                return empty(*args, **kwargs)
+
+            def without_room(jobs, count, landed, ahead):
+                failing.append(1)  # every subgroup is filled ahead: the buffer is the first allocation
+                try:
+                    return buffers(jobs, count, landed, ahead)
+                finally:
+                    failing.clear()
+
+            monkeypatch.setattr(torch, "empty", no_memory)
+            monkeypatch.setattr(opt.engine, "_buffers", without_room)
+            with pytest.warns(UserWarning, match="gradient buffer of the subgroups filled ahead"):
+                filled = _train(model, opt, steps=3)
+            assert filled == [0, 0, 0] and opt.last_update.fallbacks == len(opt.layout.subgroups)
+            monkeypatch.setattr(torch, "empty", empty)
+        else:
+            _train(model, opt, steps=3)
+        runs.append(_masters(model, opt))
+    _assert_same(*runs)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
 def test_the_room_bounds_the_slots_and_the_first_the_update_takes_come_first(overlap):
     model, opt = _build(True, "llama", overlap=overlap)

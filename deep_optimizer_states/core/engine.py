@@ -10,7 +10,8 @@ The pipeline, per subgroup in order (every arrow between lanes is an event):
                those go up)
   staged:      [stage_in]   wait for a free slot, master/exp_avg/exp_avg_sq -> GPU slot (or nothing: the
                             states came in during backward, ``prefetch.py``)
-               [gpu]        grad -> fp32 (x multipliers) in the slot, fused AdamW, cast into the model's param
+               [gpu]        grad -> fp32 (x multipliers) in the slot (filled ahead: in one buffer they share),
+                            fused AdamW, cast into the model's param
                [stage_out]  slot -> host master/exp_avg/exp_avg_sq, then the slot is free again
   resident:    [stage_in]   only when just admitted: host states -> its GPU states (kept across steps)
                [resident]   grad -> fp32 (x multipliers), fused AdamW on its GPU states, cast into the param
@@ -312,18 +313,24 @@ class Engine:
             lane.wait(ready)
         jobs, fresh, fallbacks = self._admit(jobs, residents)
         staged_planned = sum(j.placement is Placement.STAGED for j in jobs)
-        jobs, slots, down, up, scratch, ahead_grad = self._buffers(jobs, max_slots, landed, ahead)
         filled_ahead = set(ahead)  # ``ahead`` loses its entries as their slots go (release_at_flush)
-        on_cpu = [j for j in jobs if j.placement is Placement.CPU]
-        bf16 = {j.subgroup.index for j in on_cpu if self.takes_bf16(j.subgroup)}
-        feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
-        on_host = []
-        if landed or bf16:  # the multipliers are final at ``ready``, whichever stream computed them
-            if ready is not None:
-                ready.synchronize()
-            on_host = [m.to("cpu") for m in multipliers]
         pending: list[Future] = []
         try:
+            jobs, slots, down, up, scratch, ahead_grad = self._buffers(jobs, max_slots, landed, ahead)
+            # the buffers (and residents just admitted) come from the caller's stream, which may have freed
+            # their blocks after ``ready`` with its own work still queued on them (overlap): the lanes use
+            # them after that work
+            allocated = current_point(self.device)
+            for lane in self.lanes.values():
+                lane.wait(allocated)
+            on_cpu = [j for j in jobs if j.placement is Placement.CPU]
+            bf16 = {j.subgroup.index for j in on_cpu if self.takes_bf16(j.subgroup)}
+            feed = _GradFeed(self.grads_down, on_cpu, down, multipliers, landed, grads, bf16)
+            on_host = []
+            if landed or bf16:  # the multipliers are final at ``ready``, whichever stream computed them
+                if ready is not None:
+                    ready.synchronize()
+                on_host = [m.to("cpu") for m in multipliers]
             pending = [self.on_cpu(self._update_on_cpu, job, i, feed, up, on_host)
                        for i, job in enumerate(feed.jobs)]
             for job in (j for j in jobs if j.placement is Placement.RESIDENT):
@@ -406,6 +413,18 @@ class Engine:
                     self._warned_fallback = True
                 jobs = [dataclasses.replace(j, placement=Placement.CPU)
                         if j.placement is Placement.STAGED and j.subgroup.index not in ahead else j for j in jobs]
+        filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
+        ahead_grad = None
+        if filled:
+            try:
+                ahead_grad = torch.empty(max(filled), dtype=FP32, device=self.device)
+            except torch.cuda.OutOfMemoryError:  # their host states are untouched: the CPU path is exact
+                if not self._warned_fallback:
+                    warnings.warn("not enough GPU memory for the gradient buffer of the subgroups filled ahead: "
+                                  "updating those subgroups on the CPU")
+                    self._warned_fallback = True
+                jobs = [dataclasses.replace(j, placement=Placement.CPU)
+                        if j.placement is Placement.STAGED and j.subgroup.index in ahead else j for j in jobs]
         on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
         to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
         cuda = self.device.type == "cuda"
@@ -413,8 +432,6 @@ class Engine:
         up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu else None
         resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
-        filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
-        ahead_grad = torch.empty(max(filled), dtype=FP32, device=self.device) if filled else None
         return jobs, slots, down, up, grads, ahead_grad
 
     def on_cpu(self, fn: Callable, *args) -> Future:

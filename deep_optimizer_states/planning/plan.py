@@ -458,6 +458,7 @@ class Planner:
         biggest = max(self.sizes, default=0)
         if not biggest:  # nothing to stage (every local shard empty)
             return self.max_slots
-        spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT) * biggest
+        fill_grad = FILL_GRAD_BYTES_PER_ELEMENT if self.prefetch else 0  # the fills are held already: not their buffer
+        spare = free - (SCRATCH_BYTES_PER_ELEMENT + RESIDENT_SCRATCH_BYTES_PER_ELEMENT + fill_grad) * biggest
         return int(max(0, min(self.max_slots, spare // (SLOT_BYTES_PER_ELEMENT * biggest))))
 
