@@ -408,23 +408,15 @@ class Engine:
             try:
                 slots = [Slot(max(staged), self.device) for _ in range(min(count, len(staged)))]
             except torch.cuda.OutOfMemoryError:
-                if not self._warned_fallback:
-                    warnings.warn("not enough GPU memory for the staging slots: updating those subgroups on the CPU")
-                    self._warned_fallback = True
-                jobs = [dataclasses.replace(j, placement=Placement.CPU)
-                        if j.placement is Placement.STAGED and j.subgroup.index not in ahead else j for j in jobs]
+                jobs = self._staged_to_cpu(jobs, lambda i: i not in ahead, "the staging slots")
         filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
         ahead_grad = None
         if filled:
             try:
                 ahead_grad = torch.empty(max(filled), dtype=FP32, device=self.device)
             except torch.cuda.OutOfMemoryError:  # their host states are untouched: the CPU path is exact
-                if not self._warned_fallback:
-                    warnings.warn("not enough GPU memory for the gradient buffer of the subgroups filled ahead: "
-                                  "updating those subgroups on the CPU")
-                    self._warned_fallback = True
-                jobs = [dataclasses.replace(j, placement=Placement.CPU)
-                        if j.placement is Placement.STAGED and j.subgroup.index in ahead else j for j in jobs]
+                jobs = self._staged_to_cpu(jobs, lambda i: i in ahead,
+                                           "the gradient buffer of the subgroups filled ahead")
         on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
         to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
         cuda = self.device.type == "cuda"
@@ -433,6 +425,15 @@ class Engine:
         resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
         grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
         return jobs, slots, down, up, grads, ahead_grad
+
+    def _staged_to_cpu(self, jobs: list[Job], which: Callable[[int], bool], missing: str) -> list[Job]:
+        """The staged jobs whose subgroup index ``which`` takes, on the CPU path this step, as GPU memory for
+        ``missing`` was not there (warned once)."""
+        if not self._warned_fallback:
+            warnings.warn(f"not enough GPU memory for {missing}: updating those subgroups on the CPU")
+            self._warned_fallback = True
+        return [dataclasses.replace(j, placement=Placement.CPU)
+                if j.placement is Placement.STAGED and which(j.subgroup.index) else j for j in jobs]
 
     def on_cpu(self, fn: Callable, *args) -> Future:
         """Run ``fn(*args)`` on the CPU path's worker thread, after what was queued there before (without a

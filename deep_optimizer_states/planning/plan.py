@@ -258,8 +258,8 @@ class Planner:
         waited for a fill counts in the update), how long the second waited for that update to end
         (``joined_s``: its last flushes, the link's cycle, which the model prices apart) and how much of the
         update after its last write ran before the next forward began (``idle_tail_s``: beside none of the
-        caller's work, as in a loop that calls ``opt.synchronize()`` after each step). Without them a link-bound plan would
-        look like a long rest, and the plan would stay link-bound, or grow. The first update's
+        caller's work, as in a loop that calls ``opt.synchronize()`` after each step). Without them a link-bound
+        plan would look like a long rest, and the plan would stay link-bound, or grow. The first update's
         step is left out, as its update is (one-off costs: calibration, the bf16 kernel's first call; on an
         H200 its 7 s made the next plan stage 53 of 55 subgroups, overlap.md call 41)."""
         if self.overlap and params_done_s is not None and period_s > 0 and self._observed > 1:
