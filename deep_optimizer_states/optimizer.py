@@ -178,6 +178,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._had_grad: set[int] | None = None  # subgroups the last update had gradients for (None: no update yet)
         self._room_ahead = 0  # this step's GPU bytes for them
         self.residents.before_evict = _weak(self._note_eviction)
+        self.engine.on_memory = _weak(self._note_update)
         probe = CudaProbe(self.device) if self.device.type == "cuda" else None
         largest = max((sg.numel for sg in self.layout.subgroups), default=0)  # elements of the largest subgroup
         self.planner = Planner([sg.numel for sg in self.layout.subgroups], self.device, staging_slots,
@@ -409,6 +410,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _note_eviction(self, held: int) -> None:
         self.planner.budget.note_eviction(held)
 
+    def _note_update(self, held: int) -> None:
+        self.planner.budget.note_update(held)
+
     def _is_cpu_placed(self, index: int) -> bool:
         return self.plan.placements[index] is Placement.CPU
 
@@ -623,7 +627,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
             plan = streamed_for
-        elif plan is not streamed_for:  # planned again: slots filled for the old plan would crowd the new one
+        elif plan.placements != streamed_for.placements:  # slots filled for the old plan would crowd the new one
             self._drop_ahead()
         # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
@@ -703,8 +707,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         except BaseException as err:
             self._failed = _failure(err)
             raise
-        # no planner.after_update(): the update's transients ran beside the next forward, so the budget's
-        # measured need rightly counts them
+        # no planner.after_update(): the update ran beside the next forward, whose own peak must still count;
+        # the update's buffers held at that peak are taken out of the need (``MemoryBudget.note_update``)
         self._after_update(None)
 
     def _refuse_edited_grads(self) -> None:

@@ -389,6 +389,49 @@ def test_the_fill_lane_keeps_no_record_of_its_work():
     assert opt.prefetch.filled > 0 and opt.prefetch.lane._spans == []
 
 
+@pytest.mark.parametrize("prefetch", [False, True, "release"], ids=str)
+def test_an_update_left_running_into_the_next_forward_is_not_counted_in_its_need(prefetch):
+    """With ``overlap`` the update holds its buffers (staging slots, scratch, and the slots filled ahead it
+    took, each let go at its flush with ``"release"``) into the next forward: the allocator's peak is then
+    the model's memory plus them. The need must stay the model's, and still rise when the model's does."""
+    model, opt = _build(prefetch, overlap=True)
+    model_bytes, held = {"now": 10 * GB}, {"now": 0}
+
+    class Allocator(FakeProbe):
+        def peak(self):  # the model's memory beside what the update and this backward's fills hold now
+            filled = opt.prefetch.bytes() if prefetch else 0  # until an update takes them
+            self.peak_bytes = max(self.peak_bytes, model_bytes["now"] + held["now"] + filled)
+            return self.peak_bytes
+
+    probe = Allocator(total=100 * GB, limit=100 * GB, allocated=10 * GB, peak=10 * GB)
+    planner = Planner([sg.numel for sg in opt.layout.subgroups], torch.device("cpu"), 4, rates=H200_LIKE,
+                      budget=MemoryBudget(50 * GB, probe), overlap=True, prefetch=bool(prefetch))
+    planner._gpu = True  # plan and measure as on a GPU (the fake probe stands for its memory)
+    opt.planner = planner
+    opt.schedule = 2  # a fixed split: the same staged subgroups every step
+    if prefetch:
+        opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, UNLIMITED - ahead_bytes)
+    note, told = opt.engine.on_memory, []
+
+    def on_memory(nbytes: int) -> None:  # the allocator's peak passes through what the update holds
+        note(nbytes)
+        held["now"] = nbytes
+        told.append(nbytes)
+        probe.peak()
+
+    opt.engine.on_memory = on_memory
+    filled = _train(model, opt, steps=4)
+    assert max(told) > 0 and told[-1] == 0 and probe.peak_bytes > 10 * GB
+    if prefetch:
+        assert all(filled[1:]), "fills from the second step"
+    if prefetch == "release":
+        assert len([t for t in told if t > 0]) > 2, "the update told each slot it let go"
+    assert planner.budget.need == 10 * GB
+    model_bytes["now"] = 12 * GB  # a longer batch
+    _train(model, opt, steps=2)
+    assert planner.budget.need == 12 * GB
+
+
 def test_a_need_that_grows_late_in_backward_is_still_measured_with_fills_held():
     """The fills are held from early in backward; forward's and backward's own memory, growing late in a
     later step (gradients piling up, a longer batch), must still raise the need (as without prefetch)."""

@@ -334,6 +334,70 @@ def test_need_is_what_forward_and_backward_held_beside_the_residents():
     assert b.headroom() >= MIN_HEADROOM_BYTES
 
 
+def test_the_need_leaves_out_what_an_update_beside_forward_held_at_the_peak():
+    """With ``overlap`` the update holds its own buffers into the next forward and backward (``note_update``):
+    the peak reached while it held them is the model's need plus those bytes, and only the model's counts
+    (else the room beside the need would count the update's buffers twice). A peak reached before the update
+    began or after it ended, or while it held less (a slot let go at its flush), counts what it held then."""
+    probe = FakeProbe(total=100 * GB, peak=30 * GB)
+    b = MemoryBudget(90 * GB, probe)
+    b.observe(resident_bytes=0)
+    assert b.need == 30 * GB
+    b.note_update(8 * GB)  # the update allocates 8 GB as step() returns
+    probe.peak_bytes = 44 * GB  # the next forward's 36 GB beside them
+    b.note_update(0)  # the update ends
+    b.observe(resident_bytes=0)
+    assert b.need == 36 * GB
+    b.note_update(8 * GB)
+    b.note_update(5 * GB)  # a slot filled ahead let go at its flush
+    probe.peak_bytes = 43 * GB  # after the user reset the peak statistics: 38 GB beside the 5 GB left
+    b.note_update(0)
+    b.observe(resident_bytes=0)
+    assert b.need == 38 * GB
+    b.note_update(8 * GB)
+    b.note_update(0)
+    probe.peak_bytes = 45 * GB  # after the update ended: all of it the model's
+    b.observe(resident_bytes=2 * GB)  # beside 2 GB of residents
+    assert b.need == 43 * GB
+    b.note_update(8 * GB)
+    probe.peak_bytes = 60 * GB  # a peak beside 8 GB of the update and 2 GB of residents
+    b.note_update(0)
+    b.observe(resident_bytes=2 * GB)
+    assert b.need == 50 * GB
+
+
+def test_overlapped_staging_slots_fit_beside_the_need_of_the_next_forward():
+    """Without ``overlap`` the update's slots come from what is free at the step (activations gone); with it
+    they are held through the next forward and backward, so they must also fit beside the measured need, the
+    residents and the headroom: what is free at the step would let that forward run out of memory."""
+    sizes = [10**8] * 10  # a slot is 1.6 GB
+    probe = FakeProbe(total=100 * GB, limit=100 * GB, allocated=5 * GB, peak=20 * GB)
+    budget = MemoryBudget(27 * GB, probe)
+    sync = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=budget)
+    overlapped = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=budget, overlap=True)
+    for planner in (sync, overlapped):
+        planner._gpu = True  # plan as on a GPU (the fake probe stands for its memory)
+    assert sync.slots_that_fit() == overlapped.slots_that_fit() == 4, "no need measured yet: what is free"
+    budget.observe(resident_bytes=0)
+    scratch = (8 + 4) * 10**8  # the CPU path's and the residents' scratch
+    room = 27 * GB - 20 * GB - budget.headroom() - scratch
+    assert sync.slots_that_fit() == 4, "22 GB free at the step"
+    assert overlapped.slots_that_fit() == room // (16 * 10**8) == 3
+    probe.peak_bytes = 23 * GB  # forward needs more: fewer slots, then none
+    budget.observe(resident_bytes=0)
+    assert overlapped.slots_that_fit() == 1 and sync.slots_that_fit() == 4
+    probe.peak_bytes = 25 * GB
+    budget.observe(resident_bytes=0)
+    assert overlapped.slots_that_fit() == 0
+    assert overlapped.plan("offload").placements == [C] * 10, "no slot: every subgroup on the CPU"
+    fixed = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, overlap=True,
+                    budget=MemoryBudget(27 * GB, FakeProbe(total=100 * GB, allocated=5 * GB, peak=20 * GB)))
+    fixed._gpu = True
+    assert fixed.plan("gpu").slots == 4
+    plan = fixed.refresh()  # measures the need at the step
+    assert plan.slots == 3 and plan.placements == [S] * 10, "fixed placements; the slots follow the budget"
+
+
 def _planner(probe, sizes, budget=None, slots=2):
     return Planner(sizes, torch.device("cpu"), slots, rates=H200_LIKE, budget=MemoryBudget(budget, probe))
 

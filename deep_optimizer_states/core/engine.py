@@ -44,7 +44,8 @@ from .lanes import Done, Event, Lane, current_point, indexed
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
-from .slots import SLOT_BYTES_PER_ELEMENT, Ahead, Slot
+from .slots import FILL_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT, Ahead, Slot
+from .update_memory import BufferSizes, filled_bytes
 
 
 FP32 = torch.float32
@@ -197,6 +198,10 @@ def _ignore(index: int, event) -> None:
     pass
 
 
+def _ignore_bytes(held: int) -> None:
+    pass
+
+
 class _GradFeed:
     """Sends CPU subgroups' gradients down (up-cast on the GPU), GRAD_LOOKAHEAD ahead of the CPU; those that
     were streamed down during backward (``landed``: subgroup index -> event) are not sent again."""
@@ -250,6 +255,10 @@ class Engine:
         self._warned_fallback = False
         self._on_written: Callable[[int, object], None] = _ignore
         self._on_settled: Callable[[int, object], None] = _ignore
+        # told the GPU bytes an update is about to hold of its own (its buffers, the slots filled ahead it took),
+        # before it allocates them, as it lets slots go and at its end (``MemoryBudget.note_update``)
+        self.on_memory: Callable[[int], None] = _ignore_bytes
+        self._holding = 0
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`
         self._cpu_spans: list[tuple[float, float, str]] = []
 
@@ -358,6 +367,7 @@ class Engine:
                 lane.synchronize()
             for filled in ahead.values():  # also those no job used (no gradient, planned elsewhere)
                 filled.loaded.synchronize()
+            self._hold(0)  # all of it goes as this returns (the slots filled ahead with the caller's dict)
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
         window = Lane.window_seconds(self.stage_in, self.stage_out)
@@ -401,30 +411,36 @@ class Engine:
     def _buffers(self, jobs: list[Job], count: int, landed: dict, ahead: dict):
         """Staging slots (for the staged jobs without a slot filled ahead), the CPU path's scratch, the
         residents' fp32 gradient buffer and the one the GPU lane shares across the staged jobs filled ahead
-        (their slots hold no gradient); those staged jobs fall back to the CPU without memory for slots."""
-        staged = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index not in ahead]
+        (their slots hold no gradient); those staged jobs fall back to the CPU without memory for slots.
+        The budget is told their bytes before they are allocated (and again where a fallback changed them)."""
+        cuda = self.device.type == "cuda"
+        sizes = BufferSizes.of(jobs, count, landed, ahead, cuda)
+        self._hold(sizes.bytes() + filled_bytes(ahead))
         slots = []
-        if staged:
+        if sizes.slots:
             try:
-                slots = [Slot(max(staged), self.device) for _ in range(min(count, len(staged)))]
+                slots = [Slot(sizes.slot_numel, self.device) for _ in range(sizes.slots)]
             except torch.cuda.OutOfMemoryError:
                 jobs = self._staged_to_cpu(jobs, lambda i: i not in ahead, "the staging slots")
-        filled = [j.subgroup.numel for j in jobs if j.placement is Placement.STAGED and j.subgroup.index in ahead]
         ahead_grad = None
-        if filled:
+        if sizes.ahead_grad:
             try:
-                ahead_grad = torch.empty(max(filled), dtype=FP32, device=self.device)
+                ahead_grad = torch.empty(sizes.ahead_grad, dtype=FP32, device=self.device)
             except torch.cuda.OutOfMemoryError:  # their host states are untouched: the CPU path is exact
                 jobs = self._staged_to_cpu(jobs, lambda i: i in ahead,
                                            "the gradient buffer of the subgroups filled ahead")
-        on_cpu = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU]
-        to_send = [j.subgroup.numel for j in jobs if j.placement is Placement.CPU and j.subgroup.index not in landed]
-        cuda = self.device.type == "cuda"
-        down = torch.empty(max(to_send), dtype=FP32, device=self.device) if cuda and to_send else None
-        up = torch.empty(max(on_cpu), dtype=FP32, device=self.device) if cuda and on_cpu else None
-        resident = [j.subgroup.numel for j in jobs if j.placement is Placement.RESIDENT]
-        grads = torch.empty(max(resident), dtype=FP32, device=self.device) if resident else None
+        final = BufferSizes.of(jobs, count, landed, ahead, cuda)  # the fallbacks' jobs: no slot or buffer of theirs
+        if final != sizes:
+            self._hold(final.bytes() + filled_bytes(ahead))
+        down = torch.empty(final.down, dtype=FP32, device=self.device) if final.down else None
+        up = torch.empty(final.up, dtype=FP32, device=self.device) if final.up else None
+        grads = torch.empty(final.grads, dtype=FP32, device=self.device) if final.grads else None
         return jobs, slots, down, up, grads, ahead_grad
+
+    def _hold(self, held: int) -> None:
+        """The update is about to hold ``held`` GPU bytes of its own: tell the budget first (``on_memory``)."""
+        self.on_memory(held)
+        self._holding = held
 
     def _staged_to_cpu(self, jobs: list[Job], which: Callable[[int], bool], missing: str) -> list[Job]:
         """The staged jobs whose subgroup index ``which`` takes, on the CPU path this step, as GPU memory for
@@ -521,6 +537,7 @@ class Engine:
         if out.slot is not None:
             out.slot.free = flushed
         elif self.release_at_flush:
+            self._hold(self._holding - FILL_BYTES_PER_ELEMENT * ahead[sg.index].p.numel())
             ahead.pop(sg.index).release_after(self.gpu.stream, self.stage_out.stream)
         self._on_settled(sg.index, flushed)
 

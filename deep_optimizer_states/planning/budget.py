@@ -4,10 +4,11 @@ The budget is the most this process should have allocated on the GPU at any mome
 grads and activations, plus what the optimizer keeps there. Its default is the memory the process may use
 (the device, or less under ``torch.cuda.set_per_process_memory_fraction``) less a margin for fragmentation
 and other libraries. What forward and backward need is measured, not guessed: at each step the peak of the
-caching allocator since the last step, less the resident states that were there all along, is what the
-model needed beside them. torch's peak statistics are never reset (users read them too): a rise of the peak
-is what tells us the model needed more. Residents may fill what is left of the budget after that need
-and a headroom; the planner decides which subgroups.
+caching allocator since the last step, less what the optimizer held when it was reached (resident states,
+slots filled ahead, and, where the last update ran beside this forward and backward under ``overlap``, that
+update's own buffers), is what the model needed beside them. torch's peak statistics are never reset (users
+read them too): a rise of the peak is what tells us the model needed more. Residents may fill what is left of
+the budget after that need and a headroom; the planner decides which subgroups.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class MemoryBudget:
         self._peak_seen = 0
         self._evictions: list[tuple[int, int]] = []  # since the last step: (allocator peak, resident bytes before)
         self._fills: list[tuple[int, int]] = []  # since the last step: (allocator peak, bytes filled ahead before)
+        self._updates: list[tuple[int, int]] = []  # since the last observe: (allocator peak, update's bytes before)
+        self._update_held = 0  # GPU bytes the update holds of its own now
 
     @property
     def active(self) -> bool:
@@ -110,13 +113,15 @@ class MemoryBudget:
 
     def observe(self, resident_bytes: int) -> None:
         """At a step, before the update allocates: learn what forward + backward needed beside the
-        ``resident_bytes`` held through them. Only a moved peak says something new (a reset by the user
-        makes it fall: it is read again from there); the need only grows."""
+        ``resident_bytes`` held through them and what the last update held then (``note_update``). Only a
+        moved peak says something new (a reset by the user makes it fall: it is read again from there); the
+        need only grows."""
         peak = self.probe.peak()
         if peak != self._peak_seen or self.need is None:
-            seen = max(0, peak - resident_bytes)
+            seen = max(0, peak - resident_bytes - self._at_peak(self._updates, self._update_held))
             self.need = seen if self.need is None else max(self.need, seen)
         self._peak_seen = peak
+        self._updates.clear()
 
     def note_eviction(self, held: int) -> None:
         """Residents are about to leave between steps, ``held`` bytes of them held until now."""
@@ -146,10 +151,20 @@ class MemoryBudget:
         return self._at_peak(self._fills, filled_now)
 
     def _at_peak(self, notes: list[tuple[int, int]], now: int) -> int:
-        """The bytes noted just before the first event (eviction, batch of fills) after which the allocator's
+        """The bytes noted just before the first event (eviction, batch of fills, update) after which the allocator's
         peak has not moved: they were held when it was reached; else ``now``."""
         peak = self.probe.peak() if self.active else None
         return next((held for at, held in notes if at == peak), now)
+
+    def note_update(self, held: int) -> None:
+        """The update is about to hold ``held`` GPU bytes of its own (``core.update_memory``: told before it
+        allocates its buffers, as it lets a slot filled ahead go, and 0 at its end; from its own thread under
+        ``overlap``). Run beside the next forward and backward, those bytes raise the peak ``observe`` reads:
+        the ones held when it was reached are not the model's need. Without this, the need would count the
+        update's slots, and the room for them (``Planner.slots_that_fit``) would count them once more."""
+        if self.active:
+            self._updates.append((self.probe.peak(), self._update_held))
+        self._update_held = held
 
     def new_step(self) -> None:
         """A step is over (taken or skipped): evictions and fills from here on belong to the next one."""

@@ -368,11 +368,15 @@ class Planner:
         """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states
         and ``filled_bytes`` of slots filled ahead at the allocator's peak; for "auto" on a GPU, calibrated
         first if it is still provisional, and planned again if the memory for residents or staging slots, or
-        a refined rate, has changed."""
+        a refined rate, has changed (a fixed schedule: its staging slots only)."""
         schedule = self.current.schedule
         if self.budget.active:  # also under a fixed schedule: the room for slots filled ahead reads it
             self.budget.observe(resident_bytes + filled_bytes)
-        if schedule not in MODELLED or not self._gpu:
+        if not self._gpu:
+            return self.current
+        if schedule not in MODELLED:  # placements fixed by the user; the staging slots still follow the memory
+            if self.slots_that_fit() != self.current.slots:
+                self.plan(schedule)
             return self.current
         self._held = resident_bytes
         now = self.factors
@@ -450,11 +454,16 @@ class Planner:
 
     def slots_that_fit(self) -> int:
         """How many staging slots (up to ``max_slots``) fit in the GPU memory free at the update, within the
-        budget, beside the residents this plan adds."""
+        budget, beside the residents this plan adds. With ``overlap`` the update holds them into the next
+        forward and backward, so they must also fit beside what those were measured to need: the memory free
+        at the step (activations gone) would let the next forward run out of it."""
         if not self._gpu:
             return self.max_slots
         free = self.budget.free() if self.budget.active else CudaProbe(self.device).free()
-        free -= max(0, RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want]) - self._held)
+        residents = RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])
+        free -= max(0, residents - self._held)
+        if self.overlap and self.budget.active and self.budget.need is not None:
+            free = min(free, self.budget.resident_room() - residents)
         biggest = max(self.sizes, default=0)
         if not biggest:  # nothing to stage (every local shard empty)
             return self.max_slots

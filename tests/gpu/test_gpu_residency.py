@@ -112,6 +112,56 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
     ref.assert_matches(rtol=2e-6)
 
 
+def test_an_overlapped_update_keeps_the_next_forward_within_a_tight_budget():
+    """With ``overlap`` the update holds its staging slots into the next forward. Under a budget with room
+    for one and a quarter of them beside the measured need (the headroom and the CPU path's scratch apart),
+    the update gets one slot, not the four that the memory free at the step (2 GiB of activations gone)
+    would give: four would take the next forward 512 MiB past the budget. The peak stays within it, the
+    result equals torch's AdamW."""
+    seed = _seed()
+    width, layers, rows, subgroup = 2048, 32, 16384, 32 * 2**20  # four subgroups; a slot 512 MiB
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(
+            "cuda", torch.bfloat16)
+
+    def train(model, opt, ref, steps: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            opt.zero_grad()
+            x = torch.randn(rows, width, generator=gen).to("cuda", torch.bfloat16)
+            model(x).float().pow(2).mean().backward()
+            ref.step(1.0)
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+        opt.synchronize()
+
+    kwargs = {"lr": 1e-3, "subgroup_size": subgroup, "schedule": "gpu", "overlap": True}
+    model = build()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with DeepOptimizerStates(model, **kwargs) as opt:
+        ref = ReferenceAdamW(opt)
+        train(model, opt, ref, steps=3)
+        need = opt.memory()["gpu_need_bytes"]  # the update's own buffers apart (``MemoryBudget.note_update``)
+    assert need
+    del model, opt, ref
+    gc.collect()
+    model = build()
+    slot = 16 * subgroup
+    budget = need + MIN_HEADROOM_BYTES + (8 + 4) * subgroup + slot * 5 // 4
+    opt = DeepOptimizerStates(model, gpu_memory_budget=budget, **kwargs)
+    ref = ReferenceAdamW(opt)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    train(model, opt, ref, steps=6)
+    peak = torch.cuda.max_memory_allocated()
+    assert opt.plan.slots == 1, (opt.plan.slots, need, budget, opt.memory())
+    assert peak <= budget, (peak, budget, need, opt.memory())
+    ref.assert_matches(rtol=2e-6)
+
+
 @pytest.mark.parametrize("schedule", ["cpu", 3, "mixed"], ids=str)
 def test_streamed_gradients_equal_the_gathered_ones_bit_for_bit(schedule):
     """stream_grads sends the CPU path's gradients down during backward on a side stream and multiplies
