@@ -623,11 +623,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
         budget = self.planner.budget
         filled = budget.filled_at_peak(self.prefetch.step_bytes) if self.prefetch is not None else 0
-        plan = self.planner.refresh(budget.held_at_peak(self.residents.bytes()), filled)
+        plan = self.planner.refresh(budget.held_at_peak(self.residents.bytes()), filled,
+                                    self.prefetch.bytes() if self.prefetch is not None else 0)
+        slots = plan.slots  # what fits now
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
-            plan = streamed_for
-        elif plan.placements != streamed_for.placements:  # slots filled for the old plan would crowd the new one
+            plan, slots = streamed_for, min(slots, streamed_for.slots)
+        elif plan is not streamed_for:  # planned again: slots filled for the old plan would crowd the new one
             self._drop_ahead()
         # a subgroup whose gradients went down during backward takes the CPU path
         self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
@@ -647,10 +649,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self._speculating = unscaled
         ahead = self.prefetch.take() if self.prefetch is not None else None
         if self.overlapper is not None:
-            self._start_update(jobs, multipliers, max(plan.slots, 1), landed, has_grad, ahead)
+            self._start_update(jobs, multipliers, max(slots, 1), landed, has_grad, ahead)
             return
         try:
-            self.last_update = self.engine.update(jobs, multipliers, max(plan.slots, 1), self.residents, landed,
+            self.last_update = self.engine.update(jobs, multipliers, max(slots, 1), self.residents, landed,
                                                   ahead=ahead)
         except BaseException as err:
             self._failed = _failure(err)

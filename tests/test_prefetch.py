@@ -9,6 +9,7 @@ along here, as stream_grads gives the CPU path's gradients back during backward)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -488,6 +489,27 @@ def test_a_torch_state_dict_loaded_between_backward_and_step_is_what_the_step_up
         _train(model, opt, steps=2, seed=13, between=lambda step: opt.load_state_dict(saved) if step == 0 else None)
         runs.append(_masters(model, opt) + [opt.state[p]["exp_avg"].clone() for p in model.parameters()])
     _assert_same(*runs)
+
+
+def test_a_step_that_runs_the_plan_its_gradients_streamed_for_takes_no_more_slots_than_fit_now():
+    """With streamed CPU gradients the step runs the plan of its backward; a plan made at the step with
+    fewer staging slots (less memory now) bounds that update's slots all the same."""
+    model, opt = _build(False)
+    refresh, update, seen = opt.planner.refresh, opt.engine.update, []
+
+    def fewer_slots(*args, **kwargs):
+        return dataclasses.replace(refresh(*args, **kwargs), slots=1)
+
+    def spy(jobs, multipliers, max_slots, *args, **kwargs):
+        seen.append(max_slots)
+        return update(jobs, multipliers, max_slots, *args, **kwargs)
+
+    opt.engine.update = spy
+    _train(model, opt, steps=1)
+    opt.planner.refresh = fewer_slots
+    _train(model, opt, steps=1)
+    assert opt.last_update.cpu_subgroups > 0, "the CPU subgroups' gradients streamed down: the old plan ran"
+    assert seen == [opt.plan.slots, 1] and opt.plan.slots > 1
 
 
 def test_a_plan_made_again_at_the_step_drops_the_slots_filled_for_the_old_one():

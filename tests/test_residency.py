@@ -364,6 +364,16 @@ def test_the_need_leaves_out_what_an_update_beside_forward_held_at_the_peak():
     b.note_update(0)
     b.observe(resident_bytes=2 * GB)
     assert b.need == 50 * GB
+    probe.peak_bytes = 63 * GB  # before the update's buffers were allocated (it tells after): all the model's
+    b.note_update(8 * GB)
+    b.note_update(0)
+    b.observe(resident_bytes=0)
+    assert b.need == 63 * GB
+    probe.peak_bytes = probe.alloc = 72 * GB  # the update's own allocation made the peak: 8 GB of it are ours
+    b.note_update(8 * GB)
+    b.note_update(0)
+    b.observe(resident_bytes=0)
+    assert b.need == 64 * GB
 
 
 def test_overlapped_staging_slots_fit_beside_the_need_of_the_next_forward():
@@ -396,6 +406,10 @@ def test_overlapped_staging_slots_fit_beside_the_need_of_the_next_forward():
     assert fixed.plan("gpu").slots == 4
     plan = fixed.refresh()  # measures the need at the step
     assert plan.slots == 3 and plan.placements == [S] * 10, "fixed placements; the slots follow the budget"
+    assert fixed.refresh(filled_now=2 * GB).slots == 1, "slots filled ahead, held by the update, count too"
+    with pytest.warns(UserWarning, match="no room for a staging slot"):
+        assert fixed.plan([R] + [S] * 9).slots == 1, "a fixed schedule's residents count"  # 2 GB filled still
+        assert fixed.plan([R, R] + [S] * 8).slots == 0
 
 
 def _planner(probe, sizes, budget=None, slots=2):

@@ -362,12 +362,14 @@ class Engine:
             while later:
                 self._flush(later.pop(0), ahead)
         finally:  # even on an error: never release the slots while the worker or a stream still uses them
-            wait(pending)
-            for lane in self.lanes.values():
-                lane.synchronize()
-            for filled in ahead.values():  # also those no job used (no gradient, planned elsewhere)
-                filled.loaded.synchronize()
-            self._hold(0)  # all of it goes as this returns (the slots filled ahead with the caller's dict)
+            try:
+                wait(pending)
+                for lane in self.lanes.values():
+                    lane.synchronize()
+                for filled in ahead.values():  # also those no job used (no gradient, planned elsewhere)
+                    filled.loaded.synchronize()
+            finally:
+                self._hold(0)  # before it goes: as this returns (the slots filled ahead with the caller's dict)
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
         window = Lane.window_seconds(self.stage_in, self.stage_out)
@@ -412,10 +414,9 @@ class Engine:
         """Staging slots (for the staged jobs without a slot filled ahead), the CPU path's scratch, the
         residents' fp32 gradient buffer and the one the GPU lane shares across the staged jobs filled ahead
         (their slots hold no gradient); those staged jobs fall back to the CPU without memory for slots.
-        The budget is told their bytes before they are allocated (and again where a fallback changed them)."""
+        The budget is told what the update holds once they are allocated (``MemoryBudget.note_update``)."""
         cuda = self.device.type == "cuda"
         sizes = BufferSizes.of(jobs, count, landed, ahead, cuda)
-        self._hold(sizes.bytes() + filled_bytes(ahead))
         slots = []
         if sizes.slots:
             try:
@@ -430,15 +431,15 @@ class Engine:
                 jobs = self._staged_to_cpu(jobs, lambda i: i in ahead,
                                            "the gradient buffer of the subgroups filled ahead")
         final = BufferSizes.of(jobs, count, landed, ahead, cuda)  # the fallbacks' jobs: no slot or buffer of theirs
-        if final != sizes:
-            self._hold(final.bytes() + filled_bytes(ahead))
         down = torch.empty(final.down, dtype=FP32, device=self.device) if final.down else None
         up = torch.empty(final.up, dtype=FP32, device=self.device) if final.up else None
         grads = torch.empty(final.grads, dtype=FP32, device=self.device) if final.grads else None
+        self._hold(final.bytes() + filled_bytes(ahead))
         return jobs, slots, down, up, grads, ahead_grad
 
     def _hold(self, held: int) -> None:
-        """The update is about to hold ``held`` GPU bytes of its own: tell the budget first (``on_memory``)."""
+        """The update holds ``held`` GPU bytes of its own from here on: told after it allocates and before it
+        lets go (``on_memory``), so that a peak between is never counted as ours when it was the model's."""
         self.on_memory(held)
         self._holding = held
 

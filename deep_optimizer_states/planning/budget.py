@@ -157,13 +157,18 @@ class MemoryBudget:
         return next((held for at, held in notes if at == peak), now)
 
     def note_update(self, held: int) -> None:
-        """The update is about to hold ``held`` GPU bytes of its own (``core.update_memory``: told before it
-        allocates its buffers, as it lets a slot filled ahead go, and 0 at its end; from its own thread under
-        ``overlap``). Run beside the next forward and backward, those bytes raise the peak ``observe`` reads:
-        the ones held when it was reached are not the model's need. Without this, the need would count the
-        update's slots, and the room for them (``Planner.slots_that_fit``) would count them once more."""
+        """The update holds ``held`` GPU bytes of its own from now on (``core.update_memory``: told once its
+        buffers are allocated, before it lets a slot filled ahead go, and before its end, 0; from its own
+        thread under ``overlap``). Run beside the next forward and backward, those bytes raise the peak
+        ``observe`` reads: the ones held when it was reached are not the model's need. Without this, the need
+        would count the update's slots, and the room for them (``Planner.slots_that_fit``) would count them
+        once more. Told after an allocation, a peak reached before it counts what was held before (never
+        more than was there), unless the peak is what is allocated now, ``held`` with it."""
         if self.active:
-            self._updates.append((self.probe.peak(), self._update_held))
+            peak, before = self.probe.peak(), self._update_held
+            if held > before and peak == self.probe.allocated():
+                before = held
+            self._updates.append((peak, before))
         self._update_held = held
 
     def new_step(self) -> None:

@@ -104,7 +104,10 @@ class Planner:
         self.budget = budget
         self._gpu = device.type == "cuda" or budget.active  # a GPU memory to plan (a fake one in tests)
         self._held = 0  # resident bytes allocated now
+        self._filled_now = 0  # bytes of slots filled ahead now, which the update will hold (``overlap``)
         self._want = 0  # resident subgroups the plan being made wants
+        self._fixed: list[Placement] | None = None  # the placements of a fixed schedule being planned
+        self._warned_no_slot = False
         self._calibrated = rates
         self.refiner = Refiner()
         self._observed = 0
@@ -332,8 +335,13 @@ class Planner:
         count, pending = len(self.sizes), False
         if schedule not in MODELLED or not self._gpu:
             self._want = 0
-            places, slots = placements(schedule, count), self.slots_that_fit()
+            places = placements(schedule, count)
+            self._fixed = places
+            slots = self.slots_that_fit()
+            if self._gpu and not slots and Placement.STAGED in places:
+                self._warn_no_slot()
         else:
+            self._fixed = None
             self._want = self.residents_that_fit() if schedule == "auto" else 0
             rest, slots = len(self.sizes) - self._want, self.slots_that_fit()
             if not rest:
@@ -364,9 +372,10 @@ class Planner:
                 or abs(min(now.filled, total) - min(then.filled, total)) > REPLAN_AHEAD * total
                 or abs(now.rest_s - then.rest_s) > REPLAN_REST * max(then.rest_s, now.rest_s))
 
-    def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0) -> Plan:
+    def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0, filled_now: int = 0) -> Plan:
         """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states
-        and ``filled_bytes`` of slots filled ahead at the allocator's peak; for "auto" on a GPU, calibrated
+        and ``filled_bytes`` of slots filled ahead at the allocator's peak (``filled_now`` now, which the
+        update will hold); for "auto" on a GPU, calibrated
         first if it is still provisional, and planned again if the memory for residents or staging slots, or
         a refined rate, has changed (a fixed schedule: its staging slots only)."""
         schedule = self.current.schedule
@@ -374,11 +383,11 @@ class Planner:
             self.budget.observe(resident_bytes + filled_bytes)
         if not self._gpu:
             return self.current
+        self._held, self._filled_now = resident_bytes, filled_now
         if schedule not in MODELLED:  # placements fixed by the user; the staging slots still follow the memory
             if self.slots_that_fit() != self.current.slots:
                 self.plan(schedule)
             return self.current
-        self._held = resident_bytes
         now = self.factors
         moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now) or self._window_moved()
         residents = self.current.placements.count(Placement.RESIDENT)
@@ -441,6 +450,23 @@ class Planner:
         room = min(self._room_beside(resident_bytes), self.fill_cap()) - ahead_bytes
         return max(0, min(room, self.budget.free() - self.budget.headroom()))
 
+    def _resident_bytes(self) -> int:
+        """GPU bytes of the residents of the plan being made: the first ``_want`` subgroups ("auto"), or those
+        a fixed schedule places there."""
+        if self._fixed is not None:
+            return RESIDENT_BYTES_PER_ELEMENT * sum(
+                size for size, place in zip(self.sizes, self._fixed) if place is Placement.RESIDENT)
+        return RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])
+
+    def _warn_no_slot(self) -> None:
+        """Once: a fixed schedule stages subgroups where the budget leaves no room for a staging slot."""
+        if not self._warned_no_slot:
+            self._warned_no_slot = True
+            warnings.warn("gpu_memory_budget leaves no room for a staging slot beside what forward and backward "
+                          "were measured to need, but the schedule stages subgroups: the update still uses one, "
+                          "which may take the GPU past the budget. Give schedule='offload' or 'auto' (they move "
+                          "those subgroups to the CPU), fewer staged subgroups, or a larger budget.")
+
     def fill_cap(self) -> int | float:
         """GPU bytes worth filling ahead: the slots of what the link carries in the rest of the iteration
         (``carried``, times FILL_CAP): none in the first steps, before a rest is learnt. The link cannot
@@ -460,10 +486,10 @@ class Planner:
         if not self._gpu:
             return self.max_slots
         free = self.budget.free() if self.budget.active else CudaProbe(self.device).free()
-        residents = RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])
+        residents = self._resident_bytes()
         free -= max(0, residents - self._held)
         if self.overlap and self.budget.active and self.budget.need is not None:
-            free = min(free, self.budget.resident_room() - residents)
+            free = min(free, self.budget.resident_room() - residents - self._filled_now)
         biggest = max(self.sizes, default=0)
         if not biggest:  # nothing to stage (every local shard empty)
             return self.max_slots

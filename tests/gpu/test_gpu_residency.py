@@ -114,10 +114,11 @@ def test_a_tight_budget_is_never_exceeded_and_the_result_is_exact():
 
 def test_an_overlapped_update_keeps_the_next_forward_within_a_tight_budget():
     """With ``overlap`` the update holds its staging slots into the next forward. Under a budget with room
-    for one and a quarter of them beside the measured need (the headroom and the CPU path's scratch apart),
-    the update gets one slot, not the four that the memory free at the step (2 GiB of activations gone)
-    would give: four would take the next forward 512 MiB past the budget. The peak stays within it, the
-    result equals torch's AdamW."""
+    for one and a half of them beside the measured need, the headroom and the CPU path's scratch (which the
+    planner sets aside for the biggest subgroup, though this all-staged run allocates none), the update gets
+    one slot, not the four that the memory free at the step (2 GiB of activations gone) would give: four
+    would take the next forward 384 MiB past the budget. The peak stays within it, the result equals torch's
+    AdamW."""
     seed = _seed()
     width, layers, rows, subgroup = 2048, 32, 16384, 32 * 2**20  # four subgroups; a slot 512 MiB
 
@@ -150,14 +151,14 @@ def test_an_overlapped_update_keeps_the_next_forward_within_a_tight_budget():
     gc.collect()
     model = build()
     slot = 16 * subgroup
-    budget = need + MIN_HEADROOM_BYTES + (8 + 4) * subgroup + slot * 5 // 4
+    budget = need + MIN_HEADROOM_BYTES + (8 + 4) * subgroup + slot * 3 // 2
     opt = DeepOptimizerStates(model, gpu_memory_budget=budget, **kwargs)
     ref = ReferenceAdamW(opt)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     train(model, opt, ref, steps=6)
     peak = torch.cuda.max_memory_allocated()
-    assert opt.plan.slots == 1, (opt.plan.slots, need, budget, opt.memory())
+    assert opt.plan.slots == 1, (opt.plan.slots, need, budget, opt.memory())  # memory(): the need of this run
     assert peak <= budget, (peak, budget, need, opt.memory())
     ref.assert_matches(rtol=2e-6)
 
