@@ -18,7 +18,11 @@
 #   PHASES=peers: only ours do not (bench.suite --phases peers: our rows as a loop runs, the peers' breakdown)
 #   After each suite step, bench.walls prints its rows' step records (CPU path rate included) into walls.log
 set -u
+# TORCH_EXTENSIONS_DIR: DeepSpeed's CPU Adam op is built (JIT) at its first use; kept in /tmp, the build serves the
+# later calls of a warm machine (DeepSpeed's setup took 66-70 s at both sizes in calls 147-148, the build not timed
+# apart)
 export PYTHONUNBUFFERED=1 DOS_HOST_MEMORY_GB=${DOS_HOST_MEMORY_GB:-120} DOS_CACHE_DIR=/tmp/dos \
+       TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/torch_extensions} \
        NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 [ -d /tmp/site/deepspeed ] || ls .whl/*.whl > /dev/null 2>&1 || {
   echo "no peer wheels in .whl/: copy ../shared/wheels/*.whl there and pass carry [\".whl\"]"; exit 1; }
