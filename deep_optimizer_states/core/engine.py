@@ -255,8 +255,8 @@ class Engine:
         self._warned_fallback = False
         self._on_written: Callable[[int, object], None] = _ignore
         self._on_settled: Callable[[int, object], None] = _ignore
-        # told the GPU bytes an update is about to hold of its own (its buffers, the slots filled ahead it took),
-        # before it allocates them, as it lets slots go and at its end (``MemoryBudget.note_update``)
+        # told the GPU bytes an update holds of its own (its buffers, the slots filled ahead it took) once it has
+        # allocated them, before it lets a slot filled ahead go and before its end (``MemoryBudget.note_update``)
         self.on_memory: Callable[[int], None] = _ignore_bytes
         self._holding = 0
         self.trace = False  # record each block's start and end (UpdateStats.timeline), for `dos profile`

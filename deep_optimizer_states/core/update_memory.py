@@ -1,10 +1,10 @@
-"""The GPU memory one update holds of its own, sized from its jobs before any of it is allocated.
+"""The GPU memory one update holds of its own, sized from its jobs.
 
 An update allocates staging slots, the CPU path's fp32 scratch (gradients down, params up), the residents'
 fp32 gradient buffer and the one its subgroups filled ahead share, and it holds the slots filled ahead
 (``prefetch``) until their flush or its end. With ``overlap`` all of that sits beside the next forward and
-backward, so the memory budget is told the bytes before they are allocated (``MemoryBudget.note_update``):
-a peak the allocator reaches while the update holds them is not the model's need.
+backward, so the memory budget is told the bytes the update holds (``MemoryBudget.note_update``): a peak the
+allocator reaches while the update holds them is not the model's need.
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ class MemoryBudget:
         return self._at_peak(self._fills, filled_now)
 
     def _at_peak(self, notes: list[tuple[int, int]], now: int) -> int:
-        """The bytes noted just before the first event (eviction, batch of fills, update) after which the allocator's
-        peak has not moved: they were held when it was reached; else ``now``."""
+        """The bytes noted just before the first event (eviction, batch of fills, update) after which the
+        allocator's peak has not moved: they were held when it was reached; else ``now``."""
         peak = self.probe.peak() if self.active else None
         return next((held for at, held in notes if at == peak), now)
 

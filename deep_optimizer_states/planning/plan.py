@@ -375,9 +375,9 @@ class Planner:
     def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0, filled_now: int = 0) -> Plan:
         """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states
         and ``filled_bytes`` of slots filled ahead at the allocator's peak (``filled_now`` now, which the
-        update will hold); for "auto" on a GPU, calibrated
-        first if it is still provisional, and planned again if the memory for residents or staging slots, or
-        a refined rate, has changed (a fixed schedule: its staging slots only)."""
+        update will hold); for "auto" on a GPU, calibrated first if it is still provisional, and planned again
+        if the memory for residents or staging slots, or a refined rate, has changed (a fixed schedule: its
+        staging slots only)."""
         schedule = self.current.schedule
         if self.budget.active:  # also under a fixed schedule: the room for slots filled ahead reads it
             self.budget.observe(resident_bytes + filled_bytes)
