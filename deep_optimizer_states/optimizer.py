@@ -624,7 +624,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         budget = self.planner.budget
         filled = budget.filled_at_peak(self.prefetch.step_bytes) if self.prefetch is not None else 0
         plan = self.planner.refresh(budget.held_at_peak(self.residents.bytes()), filled,
-                                    self.prefetch.bytes() if self.prefetch is not None else 0)
+                                    self.prefetch.bytes() if self.prefetch is not None else 0, self.residents.bytes())
         slots = plan.slots  # what fits now
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for

@@ -256,7 +256,7 @@ def test_a_plan_made_at_the_step_starts_with_the_next_backward():
     for opt in (o1, o2):
         later = dataclasses.replace(opt.plan, placements=[Placement.CPU] * n)
 
-        def refresh(resident_bytes=0, filled_bytes=0, filled_now=0, *, opt=opt, later=later):
+        def refresh(*args, opt=opt, later=later):
             opt.planner.current = later
             return later
         opt.planner.refresh = refresh

@@ -500,16 +500,16 @@ def test_a_step_that_runs_the_plan_its_gradients_streamed_for_takes_no_more_slot
     def fewer_slots(*args, **kwargs):
         return dataclasses.replace(refresh(*args, **kwargs), slots=1)
 
-    def spy(jobs, multipliers, max_slots, *args, **kwargs):
-        seen.append(max_slots)
-        return update(jobs, multipliers, max_slots, *args, **kwargs)
+    def spy(jobs, multipliers, max_slots, residents, landed, *args, **kwargs):
+        seen.append((max_slots, len(landed)))
+        return update(jobs, multipliers, max_slots, residents, landed, *args, **kwargs)
 
     opt.engine.update = spy
     _train(model, opt, steps=1)
     opt.planner.refresh = fewer_slots
     _train(model, opt, steps=1)
-    assert opt.last_update.cpu_subgroups > 0, "the CPU subgroups' gradients streamed down: the old plan ran"
-    assert seen == [opt.plan.slots, 1] and opt.plan.slots > 1
+    assert seen[1][1] > 0 and opt._ran_as_planned, "the CPU subgroups' gradients streamed down: the old plan ran"
+    assert [slots for slots, _ in seen] == [opt.plan.slots, 1] and opt.plan.slots > 1
 
 
 def test_a_plan_made_again_at_the_step_drops_the_slots_filled_for_the_old_one():

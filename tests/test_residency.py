@@ -408,8 +408,8 @@ def test_overlapped_staging_slots_fit_beside_the_need_of_the_next_forward():
     assert plan.slots == 3 and plan.placements == [S] * 10, "fixed placements; the slots follow the budget"
     assert fixed.refresh(filled_now=2 * GB).slots == 1, "slots filled ahead, held by the update, count too"
     with pytest.warns(UserWarning, match="no room for a staging slot"):
-        assert fixed.plan([R] + [S] * 9).slots == 1, "a fixed schedule's residents count"  # 2 GB filled still
-        assert fixed.plan([R, R] + [S] * 8).slots == 0
+        assert fixed.plan([R] + [S] * 9).slots == 2, "a fixed schedule's residents count (nothing filled now)"
+        assert fixed.plan([R] * 4 + [S] * 6).slots == 0
 
 
 def _planner(probe, sizes, budget=None, slots=2):

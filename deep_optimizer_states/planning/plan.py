@@ -247,7 +247,7 @@ class Planner:
         need, the residents this plan keeps and the update's own buffers; 0 before a need was measured."""
         if not self.budget.active or self.budget.need is None:
             return 0
-        return max(0, self._room_beside(RESIDENT_BYTES_PER_ELEMENT * sum(self.sizes[: self._want])))
+        return max(0, self._room_beside(self._resident_bytes()))
 
     def _room_beside(self, resident_bytes: int) -> int:
         """The budget's room beside the measured need, ``resident_bytes`` of residents and the update's own
@@ -372,22 +372,31 @@ class Planner:
                 or abs(min(now.filled, total) - min(then.filled, total)) > REPLAN_AHEAD * total
                 or abs(now.rest_s - then.rest_s) > REPLAN_REST * max(then.rest_s, now.rest_s))
 
-    def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0, filled_now: int = 0) -> Plan:
+    def refresh(self, resident_bytes: int = 0, filled_bytes: int = 0, filled_now: int = 0,
+                resident_now: int | None = None) -> Plan:
         """The current plan, at a step whose forward and backward held ``resident_bytes`` of resident states
-        and ``filled_bytes`` of slots filled ahead at the allocator's peak (``filled_now`` now, which the
-        update will hold); for "auto" on a GPU, calibrated first if it is still provisional, and planned again
-        if the memory for residents or staging slots, or a refined rate, has changed (a fixed schedule: its
-        staging slots only)."""
+        and ``filled_bytes`` of slots filled ahead at the allocator's peak (``resident_now`` and ``filled_now``
+        allocated now, the latter held by the update to come); for "auto" on a GPU, calibrated first if it is
+        still provisional, and planned again if the memory for residents or staging slots, or a refined rate,
+        has changed (a fixed schedule: its staging slots only)."""
         schedule = self.current.schedule
         if self.budget.active:  # also under a fixed schedule: the room for slots filled ahead reads it
             self.budget.observe(resident_bytes + filled_bytes)
         if not self._gpu:
             return self.current
-        self._held, self._filled_now = resident_bytes, filled_now
+        self._held = resident_bytes if resident_now is None else resident_now
+        self._filled_now = filled_now
+        try:
+            self._plan_again_if_moved(schedule)
+        finally:
+            self._filled_now = 0  # between steps no slot is filled ahead (a plan made then counts none)
+        return self.current
+
+    def _plan_again_if_moved(self, schedule: Schedule) -> None:
         if schedule not in MODELLED:  # placements fixed by the user; the staging slots still follow the memory
             if self.slots_that_fit() != self.current.slots:
                 self.plan(schedule)
-            return self.current
+            return
         now = self.factors
         moved = any(abs(now[k] / self._planned_factors[k] - 1) > REPLAN_CHANGE for k in now) or self._window_moved()
         residents = self.current.placements.count(Placement.RESIDENT)
@@ -400,7 +409,6 @@ class Planner:
                 self.plan(schedule)
         if self._calibrated is None and self.sync.anyone(self._pending):  # ranks calibrate together
             self._calibrate_for_auto()
-        return self.current
 
     def after_update(self) -> None:
         """The update's transient allocations raised the allocator's peak, not forward or backward."""
@@ -415,6 +423,8 @@ class Planner:
         except (MemoryError, torch.cuda.OutOfMemoryError) as e:  # no room to calibrate: keep the fixed split
             self._pending = False
             warnings.warn(f"cannot calibrate ({e}); schedule 'auto' stages half of the subgroups")
+        finally:
+            self.after_update()  # calibration's own buffers raised the allocator's peak, not the model
 
     def residents_that_fit(self) -> int:
         """How many subgroups, from the first, the budget lets stay resident: all of them if their states and
