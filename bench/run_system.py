@@ -126,9 +126,9 @@ def oom_state(device: torch.device, trainer: Trainer | None, losses_read: int, l
     """Where a run that ran out of GPU memory stood: how far it got (iterations whose loss was read before the
     timed loop, and timed-loop iterations done), the allocator's GB then (allocated, reserved: what the
     process's memory ``fraction`` limits, peak, that limit) and, for ours, the optimizer's view read without
-    waiting for its update (its budget, the need of forward and backward it measured, the slots filled ahead
-    and resident states it held, its last update's staged subgroups and buffers; a failed read of it leaves
-    the rest and says why). A 16 GB budget ran out of memory at 1.36B with 13.9 GiB allocated and 0.9 GiB
+    waiting for its update (its budget, the need of forward and backward it measured and what it held at the
+    peak that set it, the staging slots of its plan, the slots filled ahead and resident states it held, its
+    last update's staged subgroups and buffers; a failed read of it leaves the rest and says why). A 16 GB budget ran out of memory at 1.36B with 13.9 GiB allocated and 0.9 GiB
     reserved beside it (H200 call 150), a row with none of this to tell why."""
     state: dict = {"losses_read": losses_read, "loop_iterations": loop_iterations}
     if device.type == "cuda":
@@ -143,6 +143,7 @@ def oom_state(device: torch.device, trainer: Trainer | None, losses_read: int, l
             budget, last = opt.planner.budget, opt.last_update
             gb = lambda n: None if n is None else round(n / 1e9, 3)
             state.update(budget_GB=gb(budget.bytes()) if budget.active else None, need_GB=gb(budget.need),
+                         ours_at_need_GB=gb(budget.ours_at_need), slots_planned=opt.plan.slots,
                          filled_ahead_GB=gb(opt.prefetch.bytes()) if opt.prefetch is not None else None,
                          resident_GB=gb(opt.residents.bytes()),
                          last_update=None if last is None else {"staged": last.staged_subgroups,

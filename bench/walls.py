@@ -151,11 +151,13 @@ def _carried(row: dict) -> str:
 
 def _peak(row: dict) -> str:
     """The run's peak GPU memory and, in brackets, the need over forward and backward that the budget measured
-    (the peak less the residents and the step's fills): with ``overlap`` that need also holds what the last
-    update still had on the GPU (``prefetch=True`` holds its fills until it ends; "release" gives them back);
-    then ``loop_peak_came``, where the row has it."""
+    (the peak less the residents and the step's fills; until the forty-seventh session, with ``overlap``, also
+    what the last update still had on the GPU, which rows since leave out) and, where the row has it, what the
+    optimizer held at the peak that set that need (``+ N``); then ``loop_peak_came``, where the row has it."""
     peak, need, came = row.get("peak_gpu_GB"), row.get("gpu_need_GB"), loop_peak_came(row)
-    return "-" if peak is None else (f"{peak:.1f}" + ("" if need is None else f" ({need:.1f})")
+    ours = row.get("gpu_ours_at_need_GB")
+    return "-" if peak is None else (f"{peak:.1f}" + ("" if need is None else f" ({need:.1f}"
+                                                      + ("" if ours is None else f" + {ours:.1f}") + ")")
                                      + ("" if came is None else f"; loop {came[0]:.1f} in {came[1]} of {came[2]}"))
 
 

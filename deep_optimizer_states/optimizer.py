@@ -815,7 +815,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), the GPU memory
         of resident states (kept between steps) and the GPU memory its last update allocated and freed
         (staging slots, scratch); with residency's counters (admitted, evicted, failed admissions) and the
-        GPU memory budget and measured need of forward + backward (None without a GPU)."""
+        GPU memory budget, the measured need of forward + backward and what the optimizer held at the peak
+        that set it (residents, slots filled ahead, an update left running: the peak's other part; None
+        without a GPU)."""
         self._open()
         self.synchronize()
         budget = self.planner.budget
@@ -824,7 +826,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                 "device_update_bytes": self.last_update.device_bytes if self.last_update else 0,
                 "resident_subgroups": len(self.residents), "admitted": c.admitted, "evicted": c.evicted,
                 "failed_admissions": c.failed, "gpu_budget_bytes": budget.bytes() if budget.active else None,
-                "gpu_need_bytes": budget.need}
+                "gpu_need_bytes": budget.need, "gpu_ours_at_need_bytes": budget.ours_at_need}
 
     def calibrate(self, force: bool = False) -> None:
         """Load this machine's rates now, measuring them if none are stored or if ``force`` (else "auto" does

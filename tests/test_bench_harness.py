@@ -580,6 +580,9 @@ def test_walls_say_in_which_iteration_the_timed_loops_peak_came(tmp_path, capsys
     walls.main([str(results)])
     out = capsys.readouterr().out
     assert "| 45.1 (28.9); loop 45.1 in 2 of 5 |" in out and "| 45.1 (28.9) |" in out
+    results.write_text(json.dumps({**row, "gpu_ours_at_need_GB": 16.24}) + "\n")
+    walls.main([str(results)])
+    assert "| 45.1 (28.9 + 16.2); loop 45.1 in 2 of 5 |" in capsys.readouterr().out, "what we held at that peak"
 
 
 def test_walls_show_what_the_timed_loop_started_from(tmp_path, capsys):
@@ -871,6 +874,7 @@ def test_a_run_out_of_memory_says_how_far_it_got_and_what_the_optimizer_held(mon
     assert state["losses_read"] == 3 and state["loop_iterations"] == 0  # 2 warm-up and 1 phased step, no loop
     assert "allocated_GB" not in state  # no GPU: no allocator to read
     assert state["budget_GB"] is None and state["need_GB"] is None  # no GPU memory budget on the CPU
+    assert state["ours_at_need_GB"] is None and state["slots_planned"] >= 1
     assert state["last_update"]["staged"] >= 0 and state["resident_GB"] == 0
     other = run_system.run("failing_other", "tiny", None, iters=2, warmup=2, micro_batch=1, seq=16,
                            device=torch.device("cpu"))

@@ -289,7 +289,7 @@ def test_memory_report_counts_host_states_and_update_buffers():
     n = sum(p.numel() for p in model.parameters())
     assert opt.memory() == {"host_bytes": 16 * n, "device_resident_bytes": 0, "device_update_bytes": 0,
                             "resident_subgroups": 0, "admitted": 0, "evicted": 0, "failed_admissions": 0,
-                            "gpu_budget_bytes": None, "gpu_need_bytes": None}
+                            "gpu_budget_bytes": None, "gpu_need_bytes": None, "gpu_ours_at_need_bytes": None}
     loss_of(model, torch.Generator().manual_seed(0)).backward()
     opt.step()
     biggest = max(sg.numel for sg in opt.layout.subgroups)

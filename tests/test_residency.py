@@ -347,7 +347,7 @@ def test_the_need_leaves_out_what_an_update_beside_forward_held_at_the_peak():
     probe.peak_bytes = 44 * GB  # the next forward's 36 GB beside them
     b.note_update(0)  # the update ends
     b.observe(resident_bytes=0)
-    assert b.need == 36 * GB
+    assert b.need == 36 * GB and b.ours_at_need == 8 * GB
     b.note_update(8 * GB)
     b.note_update(5 * GB)  # a slot filled ahead let go at its flush
     probe.peak_bytes = 43 * GB  # after the user reset the peak statistics: 38 GB beside the 5 GB left
@@ -363,7 +363,7 @@ def test_the_need_leaves_out_what_an_update_beside_forward_held_at_the_peak():
     probe.peak_bytes = 60 * GB  # a peak beside 8 GB of the update and 2 GB of residents
     b.note_update(0)
     b.observe(resident_bytes=2 * GB)
-    assert b.need == 50 * GB
+    assert b.need == 50 * GB and b.ours_at_need == 10 * GB
     probe.peak_bytes = 63 * GB  # before the update's buffers were allocated (it tells after): all the model's
     b.note_update(8 * GB)
     b.note_update(0)

@@ -89,6 +89,7 @@ class MemoryBudget:
         self.spec = validate_budget(spec)
         self.probe = probe
         self.need: int | None = None  # bytes forward + backward needed beside our residents (None: not seen)
+        self.ours_at_need: int | None = None  # ... and what the optimizer held at the peak that set it
         self._peak_seen = 0
         self._evictions: list[tuple[int, int]] = []  # since the last step: (allocator peak, resident bytes before)
         self._fills: list[tuple[int, int]] = []  # since the last step: (allocator peak, bytes filled ahead before)
@@ -118,8 +119,10 @@ class MemoryBudget:
         need only grows."""
         peak = self.probe.peak()
         if peak != self._peak_seen or self.need is None:
-            seen = max(0, peak - resident_bytes - self._at_peak(self._updates, self._update_held))
-            self.need = seen if self.need is None else max(self.need, seen)
+            ours = resident_bytes + self._at_peak(self._updates, self._update_held)
+            seen = max(0, peak - ours)
+            if self.need is None or seen >= self.need:
+                self.need, self.ours_at_need = seen, ours
         self._peak_seen = peak
         self._updates.clear()
 
