@@ -10,15 +10,20 @@ allocator reaches while the update holds them is not the model's need.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
+from .layout import Subgroup
 from .schedule import Placement
 from .slots import FILL_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT
 
-if TYPE_CHECKING:
-    from .engine import Job
-
 FP32_BYTES = 4
+
+
+class PlacedJob(Protocol):
+    """What sizing reads of an update's job (``engine.Job``): its subgroup and where it is updated."""
+
+    subgroup: Subgroup
+    placement: Placement
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class BufferSizes:
     grads: int = 0  # the residents' fp32 gradients
 
     @classmethod
-    def of(cls, jobs: list["Job"], count: int, landed: dict, ahead: dict, cuda: bool) -> "BufferSizes":
+    def of(cls, jobs: Sequence[PlacedJob], count: int, landed: dict, ahead: dict, cuda: bool) -> "BufferSizes":
         """What ``jobs`` need with at most ``count`` staging slots, where ``landed`` CPU subgroups' gradients
         are on the host already and ``ahead`` staged ones have slots filled ahead."""
         def biggest(numels: list[int]) -> int:
