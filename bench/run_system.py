@@ -128,8 +128,9 @@ def oom_state(device: torch.device, trainer: Trainer | None, losses_read: int, l
     process's memory ``fraction`` limits, peak, that limit) and, for ours, the optimizer's view read without
     waiting for its update (its budget, the need of forward and backward it measured and what it held at the
     peak that set it, the staging slots of its plan, the slots filled ahead and resident states it held, its
-    last update's staged subgroups and buffers; a failed read of it leaves the rest and says why). A 16 GB budget ran out of memory at 1.36B with 13.9 GiB allocated and 0.9 GiB
-    reserved beside it (H200 call 150), a row with none of this to tell why."""
+    last update's staged subgroups and buffers; a failed read of it leaves the rest and says why). A 16 GB
+    budget ran out of memory at 1.36B with 13.9 GiB allocated and 0.9 GiB reserved beside it (H200 call 150),
+    a row with none of this to tell why."""
     state: dict = {"losses_read": losses_read, "loop_iterations": loop_iterations}
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
