@@ -18,6 +18,8 @@ import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states.core.slots import FILL_BYTES_PER_ELEMENT as FILL_BYTES
+from deep_optimizer_states.core.slots import SLOT_BYTES_PER_ELEMENT as SLOT_BYTES
+from deep_optimizer_states.planning import budget as budget_module
 from deep_optimizer_states.planning.budget import MemoryBudget
 from deep_optimizer_states.planning.plan import Planner
 from tests.harness import loss_of, mlp, needs_compiler, tiny_llama
@@ -489,6 +491,81 @@ def test_a_torch_state_dict_loaded_between_backward_and_step_is_what_the_step_up
         _train(model, opt, steps=2, seed=13, between=lambda step: opt.load_state_dict(saved) if step == 0 else None)
         runs.append(_masters(model, opt) + [opt.state[p]["exp_avg"].clone() for p in model.parameters()])
     _assert_same(*runs)
+
+
+@pytest.mark.parametrize("prefetch,room_in_slots", [(False, 2.5), (True, 8), ("release", 8)], ids=str)
+def test_overlapped_steps_keep_a_simulated_allocator_within_the_budget(prefetch, room_in_slots, monkeypatch):
+    """End to end on a simulated allocator: the model's memory (higher from the first forward until its
+    backward ends, as activations are), the slots filled ahead not yet taken and what the update holds
+    beside the next forward, read at every module's forward, every batch of fills, every change of the
+    update's memory and every step. With room for ``room_in_slots`` staging slots beside the model's peak
+    (and the scratch the planner sets aside), no moment goes past the budget, while every update stages
+    through slots and, with prefetch, backward fills some ahead. Without the cap on overlapped slots the
+    first case goes 0.75 slot past it (what is free at the step gives all four); with the update's buffers
+    counted in the need, the room for slots and fills reads as none."""
+    monkeypatch.setattr(budget_module, "MIN_HEADROOM_BYTES", 0)  # the headroom would hide every slot here
+    monkeypatch.setattr(budget_module, "HEADROOM_FRACTION", 0.0)
+    model, opt = _build(prefetch, "llama", overlap=True, schedule="gpu")
+    sizes = [sg.numel for sg in opt.layout.subgroups]
+    slot = SLOT_BYTES * max(sizes)
+    low, high = 100 * slot, 106 * slot  # the model's memory at the step, and from its forward to backward's end
+    memory = {"model": high, "update": 0}
+    seen = []
+
+    class Allocator(FakeProbe):
+        def allocated(self):
+            return memory["model"] + memory["update"] + (opt.prefetch.bytes() if prefetch else 0)
+
+        def peak(self):  # every reading is a moment the allocator passes through
+            seen.append(self.allocated())
+            self.peak_bytes = max(self.peak_bytes, seen[-1])
+            return self.peak_bytes
+
+        def free(self):
+            return self._limit - self.allocated()
+
+    probe = Allocator(total=10**12, limit=10**12, peak=high)
+    scratch = (8 + 4 + (4 if prefetch else 0)) * max(sizes)  # the CPU path's, the residents', the fills' buffer
+    budget = high + scratch + int(room_in_slots * slot)
+    planner = Planner(sizes, torch.device("cpu"), 4, rates=H200_LIKE, budget=MemoryBudget(budget, probe),
+                      overlap=True, prefetch=bool(prefetch))
+    planner._gpu = True  # plan and measure as on a GPU (the simulated allocator stands for its memory)
+    opt.planner = planner
+    opt.schedule = "gpu"
+    if prefetch:
+        opt.planner.room_ahead = Planner.room_ahead.__get__(opt.planner)  # the planner's own room
+    note = opt.engine.on_memory
+
+    def on_memory(nbytes: int) -> None:
+        note(nbytes)
+        memory["update"] = nbytes
+        probe.peak()
+
+    def forward(*args) -> None:
+        memory["model"] = high
+        probe.peak()
+
+    opt.engine.on_memory = on_memory
+    hooks = [m.register_forward_pre_hook(forward) for m in model.modules()]
+    gen, slots, filled = torch.Generator().manual_seed(11), [], []
+    for _ in range(8):
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        probe.peak()
+        memory["model"] = low  # activations gone
+        opt.step()  # left running into the next forward
+        slots.append(opt.plan.slots)
+        if opt.last_update is not None:
+            filled.append(opt.last_update.prefetched)
+    opt.synchronize()
+    for h in hooks:
+        h.remove()
+    assert max(seen) <= budget, (max(seen) - budget) / slot
+    assert min(slots[1:]) >= 1 and opt.last_update.staged_subgroups == len(sizes)
+    if prefetch:
+        assert any(filled), "backward filled some slots ahead"
+    else:
+        assert slots[1:] == [2] * 7, slots
 
 
 def test_a_step_that_runs_the_plan_its_gradients_streamed_for_takes_no_more_slots_than_fit_now():
