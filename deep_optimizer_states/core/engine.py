@@ -44,7 +44,7 @@ from .lanes import Done, Event, Lane, current_point, indexed
 from .layout import Subgroup
 from .residency import RESIDENT_BYTES_PER_ELEMENT, Residents
 from .schedule import Placement
-from .slots import FILL_BYTES_PER_ELEMENT, SLOT_BYTES_PER_ELEMENT, Ahead, Slot
+from .slots import FILL_BYTES_PER_ELEMENT, Ahead, Slot
 from .update_memory import BufferSizes, filled_bytes
 
 
@@ -325,7 +325,7 @@ class Engine:
         filled_ahead = set(ahead)  # ``ahead`` loses its entries as their slots go (release_at_flush)
         pending: list[Future] = []
         try:
-            jobs, slots, down, up, scratch, ahead_grad = self._buffers(jobs, max_slots, landed, ahead)
+            jobs, slots, down, up, scratch, ahead_grad, sizes = self._buffers(jobs, max_slots, landed, ahead)
             # the buffers (and residents just admitted) come from the caller's stream, which may have freed
             # their blocks after ``ready`` with its own work still queued on them (overlap): the lanes use
             # them after that work
@@ -376,8 +376,7 @@ class Engine:
         timeline = self._timeline(origin, start) if self.trace else None
         busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
         stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window, bf16)
-        stats.device_bytes = sum(4 * t.numel() for t in (down, up, scratch, ahead_grad) if t is not None) + sum(
-            SLOT_BYTES_PER_ELEMENT * slot.p.numel() for slot in slots)
+        stats.device_bytes = sizes.bytes()
         admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
         stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
         stats.admitted, stats.timeline = len(fresh), timeline
@@ -413,8 +412,9 @@ class Engine:
     def _buffers(self, jobs: list[Job], count: int, landed: dict, ahead: dict):
         """Staging slots (for the staged jobs without a slot filled ahead), the CPU path's scratch, the
         residents' fp32 gradient buffer and the one the GPU lane shares across the staged jobs filled ahead
-        (their slots hold no gradient); those staged jobs fall back to the CPU without memory for slots.
-        The budget is told what the update holds once they are allocated (``MemoryBudget.note_update``)."""
+        (their slots hold no gradient), and their sizes; those staged jobs fall back to the CPU without memory
+        for slots. The budget is told what the update holds once they are allocated
+        (``MemoryBudget.note_update``)."""
         cuda = self.device.type == "cuda"
         sizes = BufferSizes.of(jobs, count, landed, ahead, cuda)
         slots = []
@@ -435,7 +435,7 @@ class Engine:
         up = torch.empty(final.up, dtype=FP32, device=self.device) if final.up else None
         grads = torch.empty(final.grads, dtype=FP32, device=self.device) if final.grads else None
         self._hold(final.bytes() + filled_bytes(ahead))
-        return jobs, slots, down, up, grads, ahead_grad
+        return jobs, slots, down, up, grads, ahead_grad, final
 
     def _hold(self, held: int) -> None:
         """The update holds ``held`` GPU bytes of its own from here on: told after it allocates and before it

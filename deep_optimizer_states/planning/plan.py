@@ -393,6 +393,7 @@ class Planner:
         return self.current
 
     def _plan_again_if_moved(self, schedule: Schedule) -> None:
+        """``refresh``'s decision: plan again where the memory, the rates or the iteration's window moved."""
         if schedule not in MODELLED:  # placements fixed by the user; the staging slots still follow the memory
             if self.slots_that_fit() != self.current.slots:
                 self.plan(schedule)
