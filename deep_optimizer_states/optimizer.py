@@ -30,11 +30,9 @@ from .core.ranks import RankSync, local_ranks, shard_group, use_cpu_threads
 from .core.schedule import Placement, Schedule
 from .core.speculate import LAUNCH_SHARE, Speculation
 from .options import PREFETCH_RELEASE, check_options
+from .params import checked_device, normalized_group, param_names, refuse_sparse_modules, trainable_params
 from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
-
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class _TorchDefault:
     """weight_decay not given: torch's default for the algorithm (AdamW 1e-2, Adam 0)."""
@@ -129,7 +127,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError(f"model must be an nn.Module (the model that uses the params), got {type(model).__name__}")
         self.module = params if isinstance(params, nn.Module) else model
         if self.module is not None:
-            _refuse_sparse_modules(self.module)
+            refuse_sparse_modules(self.module)
         if isinstance(params, nn.Module):  # a quantised frozen base (int8 weights, as in QLoRA) is not ours
             params = [(n, p) for n, p in self.module.named_parameters() if p.is_floating_point() or p.requires_grad]
         speculate = check_options(subgroup_size=subgroup_size, staging_slots=staging_slots, betas=betas,
@@ -148,8 +146,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
-        self.device = self._check_params(device)
-        trainable = self._trainable()
+        names = param_names(self.param_groups, self.module)
+        self.device = checked_device(self.param_groups, names, device)
+        trainable = trainable_params(self.param_groups, names)
         self.group = shard_group([p for params, _ in trainable for p in params])
         if speculate and loss_scale is not None and (loss_scale != "auto" or any(
                 p.dtype == torch.float16 for params, _ in trainable for p in params)):
@@ -260,72 +259,8 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         if getattr(self, "layout", None) is not None:
             raise RuntimeError("DeepOptimizerStates maps its params once: add_param_group after construction is "
                                "not supported; build a new optimizer with all param groups")
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        raw = param_group["params"]
-        if isinstance(raw, set):
-            raise TypeError("params must be an ordered collection (a list), not a set")
-        raw = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        named = [x for x in raw if isinstance(x, tuple)]
-        if named and len(named) != len(raw):
-            raise ValueError("give every param with a name, or none: some param names are missing")
-        pairs = named if named else [(None, x) for x in raw]
-        seen, params, names = set(), [], []
-        for name, p in pairs:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"the optimizer can only optimize tensors, got {type(p).__name__}")
-            if id(p) not in seen:  # tied weights (the same Parameter) once
-                seen.add(id(p))
-                params.append(p)
-                names.append(name)
-        group = {**param_group, "params": params}
-        if named:
-            group["param_names"] = names
-        super().add_param_group(group)
+        super().add_param_group(normalized_group(param_group))
         check_group(self.param_groups[-1])
-
-    def _names(self) -> list[list[str]]:
-        module_names = {}
-        if self.module is not None:
-            module_names = {id(p): n for n, p in self.module.named_parameters()}
-        out = []
-        for gi, g in enumerate(self.param_groups):
-            given = g.get("param_names") or [None] * len(g["params"])
-            out.append([n or module_names.get(id(p)) or f"{gi}.{i} (shape {tuple(p.shape)})"
-                        for i, (n, p) in enumerate(zip(given, g["params"]))])
-        return out
-
-    def _trainable(self) -> list[tuple[list[torch.Tensor], list[str]]]:
-        """Per group, the params that get host memory: those that require a gradient (torch never updates
-        the others; a LoRA's frozen base model must not cost 16 bytes per param of host memory)."""
-        return [([p for p in g["params"] if p.requires_grad],
-                 [n for n, p in zip(names, g["params"]) if p.requires_grad])
-                for g, names in zip(self.param_groups, self._names())]
-
-    def _check_params(self, device: str | torch.device | None) -> torch.device:
-        names = self._names()
-        given = [(n, p) for g, gn in zip(self.param_groups, names) for n, p in zip(gn, g["params"])]
-        for name, p in given:
-            if p.dtype not in SUPPORTED_DTYPES and (p.requires_grad or not p.is_floating_point()):
-                raise TypeError(f"param {name} has dtype {p.dtype}; DeepOptimizerStates supports float32, bfloat16 "
-                                "and float16 params (fp32 masters). Convert it, or leave it out of the optimizer")
-        params = [(n, p) for n, p in given if p.requires_grad]
-        if not params:
-            raise ValueError("no trainable params: every param has requires_grad=False")
-        for name, p in params:
-            if not local(p).is_contiguous():
-                raise ValueError(f"param {name} is not contiguous: make it so before building the optimizer "
-                                 "(with torch.no_grad(): p.data = p.data.contiguous())")
-        _refuse_overlapping(params)
-        devices = sorted({str(local(p).device) for _, p in params})
-        if len(devices) > 1:
-            raise ValueError(f"params are on several devices ({', '.join(devices)}); move the model to one device "
-                             "first (one optimizer per GPU)")
-        found = local(params[0][1]).device
-        if device is not None and torch.device(device) != found and str(torch.device(device)) != found.type:
-            raise ValueError(f"device={str(device)!r} but the params are on {found}; move the model there or "
-                             "drop the device argument")
-        return found
 
     def _make_scaler(self, loss_scale: str | float | None) -> DynamicLossScaler | None:
         fp16 = any(p.dtype == torch.float16 for b in self.layout.buckets for p in b.params)
@@ -952,21 +887,3 @@ def _remove_all(handles: list) -> None:
         h.remove()
 
 
-def _refuse_overlapping(params: list[tuple[str, torch.Tensor]]) -> None:
-    """Two params viewing the same memory would each keep a master of it, and the last written would win
-    (torch's AdamW applies both updates in turn): refused. Disjoint views of one buffer are fine."""
-    spans = sorted((t.untyped_storage().data_ptr(), t.storage_offset() * t.element_size(),
-                    (t.storage_offset() + t.numel()) * t.element_size(), name)
-                   for name, p in params if (t := local(p)).numel())
-    for (base, _, end, name), (base2, start2, _, name2) in zip(spans, spans[1:]):
-        if base == base2 and start2 < end:
-            raise ValueError(f"params {name} and {name2} share memory: each would keep its own fp32 master of "
-                             "it, so one's update would undo the other's. Tie them as one Parameter (as tied "
-                             "embeddings are), or give each its own storage")
-
-
-def _refuse_sparse_modules(module: nn.Module) -> None:
-    for name, m in module.named_modules():
-        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-            raise ValueError(f"module {name or type(m).__name__} has sparse=True: DeepOptimizerStates (like torch's "
-                             "fused AdamW) needs dense gradients; build it with sparse=False")

@@ -309,12 +309,7 @@ class Engine:
         residents = residents if residents is not None else Residents(self.device)
         landed, ahead = landed or {}, ahead or {}
         self._on_written, self._on_settled = on_written or _ignore, on_settled or _ignore
-        if self.trace and self.device.type == "cuda":  # one clock for the host and the streams
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        origin = start
-        if self.trace and self.device.type == "cuda":
-            origin = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
+        start, origin = self._clock()
         self._cpu_adam_seconds, self._cpu_spans = 0.0, []
         if ready is None:
             ready = current_point(self.device)  # the gradients (and the multipliers) are complete here
@@ -372,21 +367,7 @@ class Engine:
                 self._hold(0)  # before it goes: as this returns (the slots filled ahead with the caller's dict)
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
-        window = Lane.window_seconds(self.stage_in, self.stage_out)
-        timeline = self._timeline(origin, start) if self.trace else None
-        busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}
-        stats = self._stats(jobs, time.perf_counter() - start, self._cpu_adam_seconds, busy, window, bf16)
-        stats.device_bytes = sizes.bytes()
-        admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
-        stats.h2d_bytes += RESIDENT_BYTES_PER_ELEMENT * admitted
-        stats.admitted, stats.timeline = len(fresh), timeline
-        filled = [j.subgroup.numel for j in jobs
-                  if j.placement is Placement.STAGED and j.subgroup.index in filled_ahead]
-        stats.prefetched, stats.prefetched_elements = len(filled), sum(filled)
-        stats.speculated = sum(j.ran_ahead is not None for j in jobs)
-        stats.speculated_elements = sum(j.subgroup.numel for j in jobs if j.ran_ahead is not None)
-        stats.fallbacks = fallbacks + staged_planned - stats.staged_subgroups
-        return stats
+        return self._stats(jobs, start, origin, bf16, sizes, fresh, filled_ahead, fallbacks, staged_planned)
 
     def _admit(self, jobs: list[Job], residents: Residents) -> tuple[list[Job], set[int], int]:
         """GPU memory for resident jobs not yet resident; one that finds none takes the CPU path this step.
@@ -542,14 +523,36 @@ class Engine:
             ahead.pop(sg.index).release_after(self.gpu.stream, self.stage_out.stream)
         self._on_settled(sg.index, flushed)
 
-    @staticmethod
-    def _stats(jobs: list[Job], seconds: float, cpu_adam_seconds: float, busy: dict[str, float],
-               window: float, bf16: set[int]) -> UpdateStats:
+    def _clock(self) -> tuple[float, object]:
+        """The update's start on the host clock, and its timeline's origin: the same instant, or with ``trace``
+        on a GPU, an event on the caller's stream once everything before it has run (one clock for the host
+        and the streams)."""
+        if not (self.trace and self.device.type == "cuda"):
+            start = time.perf_counter()
+            return start, start
+        torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        return start, torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(enable_timing=True))
+
+    def _stats(self, jobs: list[Job], start: float, origin, bf16: set[int], sizes: BufferSizes, fresh: set[int],
+               filled_ahead: set[int], resident_fallbacks: int, staged_planned: int) -> UpdateStats:
+        """What the update begun at ``start`` did: ``jobs`` as they ran (fallbacks on the CPU path), ``fresh``
+        the residents it admitted, ``filled_ahead`` the staged subgroups whose slots came filled; of the
+        ``staged_planned`` jobs, those not staged in ``jobs`` fell back to the CPU path."""
         cpu = [j.subgroup for j in jobs if j.placement is Placement.CPU]
         staged = [j.subgroup for j in jobs if j.placement is Placement.STAGED]
-        resident = sum(j.placement is Placement.RESIDENT for j in jobs)
         link_bytes = STAGED_BYTES * sum(sg.numel for sg in staged) + sum(
             (BF16_CPU_PATH_BYTES if sg.index in bf16 else CPU_PATH_BYTES) * sg.numel for sg in cpu)
-        return UpdateStats(seconds, cpu_adam_seconds, len(cpu), len(staged), h2d_bytes=link_bytes,
-                           d2h_bytes=link_bytes, lane_seconds=busy, staged_window_s=window,
-                           resident_subgroups=resident)
+        admitted = sum(j.subgroup.numel for j in jobs if j.subgroup.index in fresh)
+        filled = [sg.numel for sg in staged if sg.index in filled_ahead]
+        ran_ahead = [j.subgroup.numel for j in jobs if j.ran_ahead is not None]
+        window = Lane.window_seconds(self.stage_in, self.stage_out)
+        timeline = self._timeline(origin, start) if self.trace else None
+        busy = {name: lane.busy_seconds() for name, lane in self.lanes.items()}  # resets the lanes: read last
+        return UpdateStats(
+            time.perf_counter() - start, self._cpu_adam_seconds, len(cpu), len(staged),
+            h2d_bytes=link_bytes + RESIDENT_BYTES_PER_ELEMENT * admitted, d2h_bytes=link_bytes, lane_seconds=busy,
+            staged_window_s=window, device_bytes=sizes.bytes(),
+            resident_subgroups=sum(j.placement is Placement.RESIDENT for j in jobs), admitted=len(fresh),
+            fallbacks=resident_fallbacks + staged_planned - len(staged), timeline=timeline, prefetched=len(filled),
+            prefetched_elements=sum(filled), speculated=len(ran_ahead), speculated_elements=sum(ran_ahead))
