@@ -191,6 +191,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._largest_input = 0
         self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed), self.engine.takes_bf16)
                             if stream_grads else None)
+        self._sampled = False  # the budget has read the model's memory in this step's backward
+        if self.grad_stream is not None:
+            self.grad_stream.before_first = _weak(self._backward_began)
         if self.prefetch is not None:
             self.grad_stream.after_grad = _weak(self._fill_ahead)
         self.speculation: Speculation | None = None
@@ -341,6 +344,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             with torch.no_grad():
                 local(b.params[i]).copy_(self.layout.views(b.params[i])["master"])
             self.layout.record_writes()
+
+    def _backward_began(self) -> None:
+        """From a gradient hook (``stream_grads``, or ``overlap``'s waits): once a step, the budget reads the
+        model's memory as backward begins (``MemoryBudget.sample``)."""
+        if not self._sampled:
+            self._sampled = True
+            self.planner.budget.sample(self.residents.bytes() + (self.prefetch.bytes() if self.prefetch else 0))
 
     def _note_eviction(self, held: int) -> None:
         self.planner.budget.note_eviction(held)
@@ -543,6 +553,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             if self.prefetch is not None:
                 self.prefetch.restart()
             self._order_ahead = None
+            self._sampled = False
         return loss
 
     def _step(self, has_grad: list[list[bool]]) -> None:
@@ -558,16 +569,22 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         streamed_for = self.plan  # the plan during backward: stream_grads sent its CPU subgroups down
         budget = self.planner.budget
         filled = budget.filled_at_peak(self.prefetch.step_bytes) if self.prefetch is not None else 0
-        plan = self.planner.refresh(budget.held_at_peak(self.residents.bytes()), filled,
-                                    self.prefetch.bytes() if self.prefetch is not None else 0, self.residents.bytes())
+        plan = now = self.planner.refresh(budget.held_at_peak(self.residents.bytes()), filled,
+                                          self.prefetch.bytes() if self.prefetch is not None else 0,
+                                          self.residents.bytes())
         slots = plan.slots  # what fits now
         landed = self.grad_stream.landed if self.grad_stream is not None else {}
         if landed:  # a new plan starts with the next backward; this step runs the one the gradients went for
             plan, slots = streamed_for, min(slots, streamed_for.slots)
         elif plan is not streamed_for:  # planned again: slots filled for the old plan would crowd the new one
             self._drop_ahead()
-        # a subgroup whose gradients went down during backward takes the CPU path
-        self._ran = [Placement.CPU if i in landed else place for i, place in enumerate(plan.placements)]
+        # a subgroup whose gradients went down during backward takes the CPU path; so does a staged one that
+        # needs a slot where none fits now and the plan of now stages nothing (a fixed schedule that stages
+        # still gets one, with a warning): its host states are untouched, the CPU path is exact
+        ready = self.prefetch.ready if self.prefetch is not None else {}
+        to_cpu = not slots and Placement.STAGED not in now.placements
+        self._ran = [Placement.CPU if i in landed or (to_cpu and place is Placement.STAGED and i not in ready)
+                     else place for i, place in enumerate(plan.placements)]
         self._ran_as_planned = plan is streamed_for
         staged_ahead = FILL_BYTES_PER_ELEMENT * sum(sg.numel for sg in self._order_ahead or ())
         self._fills_bounded = self._room_ahead < staged_ahead  # fills short of it: priced by the planner's room

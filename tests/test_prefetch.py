@@ -589,6 +589,91 @@ def test_a_step_that_runs_the_plan_its_gradients_streamed_for_takes_no_more_slot
     assert [slots for slots, _ in seen] == [opt.plan.slots, 1] and opt.plan.slots > 1
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["no_prefetch", "prefetch"])
+@pytest.mark.parametrize("now_stages", [False, True], ids=["model_stages_none", "fixed_schedule_stages"])
+def test_a_streamed_step_where_no_slot_fits_now_takes_its_staged_subgroups_to_the_cpu(prefetch, now_stages):
+    """The step runs the plan its gradients streamed for; where no staging slot fits now (the need grew) and
+    the plan of now stages nothing, that plan's staged subgroups not filled ahead take the CPU path (one
+    slot would go past the budget beside the next forward), with the same result. A plan of now that
+    stages (a fixed schedule) keeps them staged: it was warned of the missing slot."""
+    runs = []
+    for squeeze in (False, True):
+        model, opt = _build(prefetch)
+        if prefetch:  # room for one subgroup filled ahead: the others need a slot
+            room = FILL_BYTES * max(sg.numel for sg in opt.layout.subgroups)
+            opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
+        refresh, update, seen = opt.planner.refresh, opt.engine.update, []
+
+        def no_slot(*args, **kwargs):
+            plan = refresh(*args, **kwargs)
+            places = plan.placements if now_stages else [Placement.CPU] * len(plan.placements)
+            return dataclasses.replace(plan, placements=places, slots=0)
+
+        def spy(jobs, multipliers, max_slots, *args, **kwargs):
+            seen.append(([j.placement for j in jobs], set(kwargs.get("ahead") or ())))  # the update empties it
+            return update(jobs, multipliers, max_slots, *args, **kwargs)
+
+        opt.engine.update = spy
+        _train(model, opt, steps=1)
+        if squeeze:
+            opt.planner.refresh = no_slot
+        _train(model, opt, steps=2)
+        runs.append(_masters(model, opt))
+        if squeeze:
+            for placements, ahead in seen[1:]:
+                staged = [i for i, place in enumerate(placements) if place is Placement.STAGED]
+                if now_stages:
+                    assert staged, "a fixed schedule that stages keeps its staged subgroups"
+                else:
+                    assert set(staged) <= ahead, (staged, ahead)  # only those filled ahead stay
+                    assert Placement.CPU in placements
+            if prefetch and not now_stages:
+                assert any(ahead for _, ahead in seen[1:]), "a subgroup filled ahead stays staged"
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_update_lets_its_buffers_go_before_it_tells_the_budget_it_holds_none(overlap, monkeypatch):
+    """Once the update tells the budget it holds nothing (``MemoryBudget.note_update(0)``), a peak the next
+    forward reaches is counted as the model's: by then no staging slot and no slot filled ahead may still be
+    alive (held by the update's locals or the caller's dict until it returns), else they would be counted
+    in the need, for good."""
+    import weakref
+
+    from deep_optimizer_states.core import engine as engine_module
+    from deep_optimizer_states.core import prefetch as prefetch_module
+
+    made = []  # weak references to every slot made
+
+    class Slot(engine_module.Slot):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    class Ahead(prefetch_module.Ahead):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine_module, "Slot", Slot)
+    monkeypatch.setattr(prefetch_module, "Ahead", Ahead)
+    model, opt = _build(True, overlap=overlap)
+    room = FILL_BYTES * max(sg.numel for sg in opt.layout.subgroups)  # one filled ahead, the others in slots
+    opt.planner.room_ahead = lambda resident_bytes, ahead_bytes: max(0, room - ahead_bytes)
+    told = opt.engine.on_memory
+    at_zero = []
+
+    def on_memory(held: int) -> None:
+        if held == 0:
+            at_zero.append(sum(ref() is not None for ref in made))
+        told(held)
+
+    opt.engine.on_memory = on_memory
+    filled = _train(model, opt, steps=3)
+    assert any(filled) and opt.last_update.staged_subgroups > sum(filled[-1:]), "slots filled ahead and staged"
+    assert at_zero and set(at_zero) == {0}, at_zero
+
+
 def test_a_plan_made_again_at_the_step_drops_the_slots_filled_for_the_old_one():
     """Without streamed CPU subgroups the step may plan again (new residents, say): the slots filled for
     the old plan go before the update allocates for the new one; the result does not change."""

@@ -376,6 +376,76 @@ def test_the_need_leaves_out_what_an_update_beside_forward_held_at_the_peak():
     assert b.need == 64 * GB
 
 
+def test_the_memory_as_backward_begins_raises_a_need_the_peak_hides():
+    """A peak of the model's below one it reached beside the update's buffers never moves the allocator's
+    counter; the memory read as backward begins, less what the optimizer and the update hold then, does.
+    It never sets the first need (a peak does), never lowers one, and is dropped when the update's memory
+    moved while it was read (the update runs on its own thread)."""
+    probe = FakeProbe(total=100 * GB, allocated=40 * GB, peak=30 * GB)
+    b = MemoryBudget(90 * GB, probe)
+    b.sample(ours=0)
+    assert b.need is None  # the first need comes from a peak
+    b.observe(resident_bytes=0)
+    assert b.need == 30 * GB
+    b.note_update(8 * GB)
+    probe.peak_bytes = 60 * GB  # the model's 50 GB beside the update's 8 GB and 2 GB of residents
+    b.note_update(0)
+    b.observe(resident_bytes=2 * GB)
+    assert b.need == 50 * GB
+    probe.alloc = 55 * GB  # a longer batch after the update ended: 53 GB of the model's, the peak unmoved
+    b.sample(ours=2 * GB)
+    assert (b.need, b.ours_at_need) == (53 * GB, 2 * GB)
+    b.observe(resident_bytes=2 * GB)
+    assert b.need == 53 * GB
+    b.note_update(8 * GB)
+    probe.alloc = 64 * GB  # 54 GB of the model's beside the update's 8 GB and 2 GB of residents
+    b.sample(ours=2 * GB)
+    assert (b.need, b.ours_at_need) == (54 * GB, 10 * GB)
+    probe.alloc = 40 * GB
+    b.sample(ours=2 * GB)  # less: the need never falls
+    assert b.need == 54 * GB
+
+    class Moving(FakeProbe):  # the update lets a slot go while the memory is read
+        def allocated(self):
+            b.note_update(3 * GB)
+            return 70 * GB
+
+    b.probe = Moving(total=100 * GB, peak=60 * GB)
+    b.sample(ours=0)
+    assert b.need == 54 * GB
+
+
+@pytest.mark.parametrize("kwargs", [{"overlap": True}, {"stream_grads": True},
+                                    {"stream_grads": True, "overlap": True, "prefetch": True}],
+                         ids=["overlap", "stream_grads", "all"])
+def test_the_optimizer_reads_the_models_memory_once_a_step_as_backward_begins(kwargs):
+    """With a gradient hook to read it from (``stream_grads``, or ``overlap``'s waits), the optimizer hands the
+    budget the memory as each step's backward begins, once, with the residents and slots filled ahead it
+    holds; a longer batch whose peak stays below an older one still raises the need."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2, **kwargs)
+    probe = FakeProbe(total=100 * GB, allocated=10 * GB, peak=30 * GB)
+    opt.planner.budget = MemoryBudget(90 * GB, probe)
+    real, told = opt.planner.budget.sample, []
+
+    def sample(ours):
+        told.append((probe.alloc, ours))
+        real(ours)
+
+    opt.planner.budget.sample = sample
+    gen = torch.Generator().manual_seed(3)
+    for step, alloc in enumerate([20, 33, 31]):
+        probe.alloc = alloc * GB  # the model's memory through this step's forward and backward
+        opt.zero_grad()
+        loss_of(model, gen).backward()
+        assert len(told) == step + 1, "once a step, in backward"
+        opt.step()
+        opt.synchronize()
+    held = opt.residents.bytes() + (opt.prefetch.bytes() if opt.prefetch else 0)
+    assert told[1:] == [(33 * GB, held), (31 * GB, held)]
+    assert opt.memory()["gpu_need_bytes"] == 33 * GB  # the peak stayed at 30 GB
+
+
 def test_overlapped_staging_slots_fit_beside_the_need_of_the_next_forward():
     """Without ``overlap`` the update's slots come from what is free at the step (activations gone); with it
     they are held through the next forward and backward, so they must also fit beside the measured need, the

@@ -363,8 +363,11 @@ class Engine:
                     lane.synchronize()
                 for filled in ahead.values():  # also those no job used (no gradient, planned elsewhere)
                     filled.loaded.synchronize()
-            finally:
-                self._hold(0)  # before it goes: as this returns (the slots filled ahead with the caller's dict)
+            finally:  # the buffers go now, before the budget hears that the update holds nothing: a peak the
+                # next forward reaches from here on is the model's (a reference kept to the return would be ours)
+                slots = down = up = scratch = ahead_grad = feed = updated = later = filled = None
+                ahead.clear()  # the slots filled ahead, the caller's dict's references with them
+                self._hold(0)
         for f in pending:
             f.result()  # re-raises an error of the CPU worker
         return self._stats(jobs, start, origin, bf16, sizes, fresh, filled_ahead, fallbacks, staged_planned)

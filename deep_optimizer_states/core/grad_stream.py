@@ -47,6 +47,7 @@ class GradStream:
         self._buffer: torch.Tensor | None = None
         self.sent = 0  # subgroups sent down since the optimizer was built (telemetry)
         self.after_grad: Callable[[], None] | None = None  # told after each final gradient (prefetch fills)
+        self.before_first: Callable[[], None] | None = None  # told at a step's first final gradient, first
         self.after_send: Callable[[Subgroup], None] | None = None  # told as a subgroup's gradients go down
         self.annotate = False  # name the hooks' spans for torch.profiler (`dos profile --kernels`)
         self._ref = weakref.ref(self)
@@ -111,6 +112,8 @@ class GradStream:
             raise RuntimeError("a second backward reached gradients that stream_grads has already treated as final "
                                "(the first one's may have left the GPU): run the backward of every micro-batch but "
                                "the last under `with opt.accumulating():`, or call opt.zero_grad() between steps")
+        if self.first_final_at is None and self.before_first is not None:
+            self.before_first()
         self.versions[id(p)] = local(p.grad)._version
         self.last_final_at = time.perf_counter()
         if self.first_final_at is None:

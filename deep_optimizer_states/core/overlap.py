@@ -254,6 +254,12 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         if opt is not None and opt.overlapper is not None:
             opt.overlapper.wait_for(indices, on_host)
 
+    def in_backward(indices: Iterable[int]) -> None:
+        opt = ref()
+        if opt is not None:
+            opt._backward_began()
+        wait(indices, False)
+
     def sync(*args: Any) -> None:
         opt = ref()
         if opt is not None:
@@ -282,7 +288,7 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         for b in layout.buckets:
             for i, p in enumerate(b.params):
                 indices = frozenset(sg.index for sg in layout.subgroups_of(b, i))
-                handles.append(p.register_hook(lambda grad, i=indices: wait(i, False)))
+                handles.append(p.register_hook(lambda grad, i=indices: in_backward(i)))
     for indices in order:
         for i in sorted(indices):
             need.setdefault(i, len(need))

@@ -7,8 +7,9 @@ and other libraries. What forward and backward need is measured, not guessed: at
 caching allocator since the last step, less what the optimizer held when it was reached (resident states,
 slots filled ahead, and, where the last update ran beside this forward and backward under ``overlap``, that
 update's own buffers), is what the model needed beside them. torch's peak statistics are never reset (users
-read them too): a rise of the peak is what tells us the model needed more. Residents may fill what is left of
-the budget after that need and a headroom; the planner decides which subgroups.
+read them too): a rise of the peak is what tells us the model needed more, and so, once a step as backward
+begins, does the memory allocated then less what we hold (``sample``: a rise the peak hides). Residents may
+fill what is left of the budget after that need and a headroom; the planner decides which subgroups.
 """
 
 from __future__ import annotations
@@ -173,6 +174,23 @@ class MemoryBudget:
                 before = held
             self._updates.append((peak, before))
         self._update_held = held
+
+    def sample(self, ours: int) -> None:
+        """Once a step, as backward begins: the memory allocated now less ``ours`` (the residents and slots
+        filled ahead held now) and what the update holds now (read before and after, the sample dropped if
+        it moved between) is the model's, a floor of its need. The peak alone can miss a rise: a model's peak
+        below one it reached beside the update's buffers (which ``observe`` takes out) never moves the
+        allocator's counter (a longer batch after the update ended). It raises a need measured already, never
+        sets the first one (the first peak does: a sample taken early in backward is below it)."""
+        if not self.active or self.need is None:
+            return
+        held = self._update_held
+        allocated = self.probe.allocated()
+        if self._update_held != held:  # the update allocated or let go meanwhile (its own thread)
+            return
+        seen = max(0, allocated - ours - held)
+        if seen > self.need:
+            self.need, self.ours_at_need = seen, ours + held
 
     def new_step(self) -> None:
         """A step is over (taken or skipped): evictions and fills from here on belong to the next one."""
