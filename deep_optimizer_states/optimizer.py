@@ -192,6 +192,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self.grad_stream = (GradStream(self.layout, self.device, _weak(self._is_cpu_placed), self.engine.takes_bf16)
                             if stream_grads else None)
         self._sampled = False  # the budget has read the model's memory in this step's backward
+        self._warned_zeroed = False  # zero_grad(set_to_none=False) has said what it costs with stream_grads
         if self.grad_stream is not None:
             self.grad_stream.before_first = _weak(self._backward_began)
         if self.prefetch is not None:
@@ -222,6 +223,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._scaled_since_step = False
         self._clip_once: float | None = None
         self._norm_cache: torch.Tensor | None = None
+        self._norm_of: list | None = None  # the gradients _norm_cache was taken of (``_grad_marks``)
         self.last_grad_norm: torch.Tensor | None = None
         self.last_update: UpdateStats | None = None
         self._expose_state()
@@ -515,6 +517,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             raise ValueError(f"max_norm must be a finite float > 0, got {max_norm!r}")
         self._open()
         self._norm_cache = self._total_norm()
+        self._norm_of = self._grad_marks()
         self._clip_once = float(max_norm)
         return self._norm_cache / self.scaler.scale if self.scaler is not None else self._norm_cache
 
@@ -547,7 +550,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.planner.budget.new_step()
             if self.grad_stream is not None:
                 self.planner.observe_backward(self.grad_stream.backward_s())
-                self.grad_stream.reset()
+                self.grad_stream.end_step()
             self._drop_ahead()  # those the update did not take: a skipped step's (the next backward refills)
             self._undo_ahead()  # those the step did not keep (a skipped or failed step's)
             if self.prefetch is not None:
@@ -691,6 +694,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Unscale and clip factors for this step, or None when the step is skipped (inf/nan gradients)."""
         clip = self._clip_once if self._clip_once is not None else self.max_grad_norm
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
+        if raw is not None and self.planner.sync.anyone(self._grad_marks() != self._norm_of):
+            raw = self._total_norm()  # the gradients changed after clip_grad_norm_ measured them
+            if bool(torch.isfinite(raw)):  # inf/nan ones: the step is skipped (or raises) below, as any such
+                raise RuntimeError("the gradients changed after opt.clip_grad_norm_ measured them (another backward, "
+                                   "or an edit of a .grad): the clip it returned is for the gradients it measured. "
+                                   "Call it after the last backward and any change to the gradients; nothing "
+                                   "was updated")
         if raw is None:
             raw = self._total_norm()
         # one device sync per step: no update is ever half applied. A non-finite norm of finite gradients
@@ -732,6 +742,13 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             multipliers.append(clip_coefficient(norm, clip))
         return multipliers
 
+    def _grad_marks(self) -> list:
+        """Which gradient tensor each param holds, and its version counter: what moves when a backward adds to
+        the gradients, an edit changes one in place or a new one is set (``clip_grad_norm_``'s norm is then
+        not theirs)."""
+        return [None if p.grad is None else (id(g := local(p.grad)), g.data_ptr(), g._version)
+                for b in self.layout.buckets for p in b.params]
+
     @torch.no_grad()
     def _grads_finite(self) -> bool:
         """Whether every gradient of this step is finite, element by element (over the ranks too): asked
@@ -754,14 +771,35 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch: grads to None (or zeroed in place with ``set_to_none=False``); a pending
         ``clip_grad_norm_`` belongs to the gradients it measured and is dropped with them. Gradients set to
-        None do not wait for an update left running (it holds the ones it reads); zeroed in place, they do."""
+        None do not wait for an update left running (it holds the ones it reads); zeroed in place, they do.
+        With ``stream_grads``, ``set_to_none=False`` gives the params whose gradients left the GPU in the last
+        backward a zero gradient again, as torch would hold (a param that gets no gradient in the next
+        backward is still stepped, as by torch): GPU memory that ``set_to_none=True`` saves."""
         if not set_to_none:
             self.synchronize()
         self._undo_ahead()  # the gradients they ran with are dropped: no step takes them
         super().zero_grad(set_to_none)
         self._norm_cache, self._clip_once = None, None
         if self.grad_stream is not None:
+            if not set_to_none:
+                self._zero_gone_grads()
+            self.grad_stream.gone = {}
             self.grad_stream.reset()
+
+    @torch.no_grad()
+    def _zero_gone_grads(self) -> None:
+        """The gradients stream_grads gave back in the last backward, as torch's ``zero_grad(set_to_none=False)``
+        leaves them: zeros, of their dtype (warned once: it keeps the memory that streaming saves)."""
+        gone = self.grad_stream.gone
+        params = [p for b in self.layout.buckets for p in b.params if id(p) in gone and p.grad is None]
+        if params and not self._warned_zeroed:
+            self._warned_zeroed = True
+            warnings.warn("zero_grad(set_to_none=False) with stream_grads gives every param whose gradient left "
+                          "the GPU a zero gradient again (torch's semantics: a param without a gradient in the "
+                          "next backward is still stepped), which holds the GPU memory that stream_grads saves "
+                          "until backward sends it down again; zero_grad() (set_to_none=True) does not")
+        for p in params:
+            p.grad = torch.zeros_like(p, dtype=gone[id(p)])
 
     def memory(self) -> dict[str, int]:
         """Bytes this optimizer holds: pinned host memory (the fp32 states, allocated once), the GPU memory

@@ -123,6 +123,39 @@ def test_max_grad_norm_argument_clips_and_reports_the_norm():
         ref.assert_matches()
 
 
+@pytest.mark.parametrize("change", ["nan", "backward", "new_grad"])
+def test_gradients_changed_after_clip_grad_norm_are_not_stepped_by_its_norm(change):
+    """``opt.clip_grad_norm_`` measures the gradients for the step; if they change before it (an inf/nan
+    written in, another backward, a new ``.grad``), that norm is not theirs: a non-finite change skips the
+    step as any inf/nan step does (the states stay finite and the checkpoint loads), a finite one is
+    refused with what to do, nothing updated."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=2000, schedule=2)
+    gen = torch.Generator().manual_seed(3)
+    loss_of(model, gen).backward()
+    opt.step()
+    before = [opt.master(p).clone() for p in model.parameters()]
+    opt.zero_grad()
+    loss_of(model, gen).backward()
+    opt.clip_grad_norm_(1.0)
+    last = list(model.parameters())[-1]
+    if change == "nan":
+        with torch.no_grad():
+            last.grad[0] = float("nan")
+        with pytest.warns(RuntimeWarning, match="step skipped"):
+            opt.step()
+        assert opt.skipped_steps == 1
+        opt.load_state_dict(opt.state_dict())  # finite states: its own checkpoint loads
+    else:
+        if change == "backward":
+            loss_of(model, gen).backward()
+        else:
+            last.grad = last.grad * 2
+        with pytest.raises(RuntimeError, match="changed after opt.clip_grad_norm_"):
+            opt.step()
+    assert all(torch.equal(opt.master(p), b) for p, b in zip(model.parameters(), before)), "nothing updated"
+
+
 @pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
 def test_gradient_accumulation_over_four_micro_batches(schedule):
     model = tiny_llama()

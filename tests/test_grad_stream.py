@@ -379,3 +379,72 @@ def test_norms_of_mixed_dtypes_are_taken_per_dtype_in_order():
     assert [n.dtype for n in got] == [torch.float32] * 4
     for g, n in zip(grads, got):
         assert torch.equal(n, torch._foreach_norm([g], 2, dtype=torch.float32)[0])
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_zero_grad_to_zeros_keeps_a_gradient_for_params_whose_gradients_left(overlap):
+    """torch's ``zero_grad(set_to_none=False)`` leaves every param a zero gradient, so a param that gets none
+    in the next backward is still stepped (its moments decay, decoupled decay applies). stream_grads gave
+    the CPU path's gradients back in backward (``.grad`` None): the same call gives them zeros again, of
+    their dtype, so that the steps equal those of the gathered path (held to torch's AdamW elsewhere);
+    ``set_to_none=True`` after it leaves none, as torch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    ours = DeepOptimizerStates(model, lr=1e-2, schedule="cpu", stream_grads=True, overlap=overlap)
+    ref = DeepOptimizerStates(twin, lr=1e-2, schedule="cpu")
+    gen = torch.Generator().manual_seed(1)
+    for step, (whole, set_to_none) in enumerate([(True, False), (False, False), (False, True), (True, False),
+                                                 (False, False)]):
+        x = torch.randn(5, 8, generator=gen, dtype=torch.bfloat16)
+        for m, o in ((model, ours), (twin, ref)):
+            (m(x) if whole else m[0](x)).float().pow(2).mean().backward()  # else the last Linear gets none
+            o.step()
+        if step == 0:
+            assert model[2].weight.grad is None  # given back by stream_grads
+        with pytest.warns(UserWarning, match="set_to_none=False") if step == 0 else contextlib.nullcontext():
+            ours.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad(set_to_none=set_to_none)
+        for p, q in zip(model.parameters(), twin.parameters()):
+            assert (p.grad is None) == (q.grad is None), step
+            if p.grad is not None:
+                assert p.grad.dtype == q.grad.dtype and torch.equal(p.grad, q.grad)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(ours.master(p), ref.master(q)), "a param without a gradient was not stepped as torch"
+        assert torch.equal(ours.state[p]["exp_avg_sq"], ref.state[q]["exp_avg_sq"])
+
+
+def test_a_param_read_in_two_reentrant_checkpoint_segments_is_refused_with_what_to_change():
+    """Reentrant activation checkpointing runs a backward per segment: a param read in two of them (weights
+    shared across layers) has its gradient accumulated, and its hook run, once per segment, and streaming
+    took the first as final. The backward raises, naming the checkpointing and its alternatives, not only
+    micro-batches; non-reentrant checkpointing streams it."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Looped(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.reentrant, self.block, self.head = reentrant, nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, x):
+            for _ in range(2):
+                x = checkpoint(lambda h: torch.tanh(self.block(h)), x, use_reentrant=self.reentrant)
+            return self.head(x).pow(2).mean()
+
+    x = torch.randn(8, 16, requires_grad=True)  # reentrant checkpointing needs an input that requires grad
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = Looped(reentrant)
+        twin = copy.deepcopy(model)
+        opt = DeepOptimizerStates(model, lr=1e-2, schedule="cpu", stream_grads=True)
+        ref = DeepOptimizerStates(twin, lr=1e-2, schedule="cpu")
+        if reentrant:
+            with pytest.raises(RuntimeError, match="use_reentrant=False"):
+                model(x).backward()
+            continue
+        for _ in range(3):
+            for m, o in ((model, opt), (twin, ref)):
+                o.zero_grad()
+                m(x).backward()
+                o.step()
+        assert all(torch.equal(opt.master(p), ref.master(q)) for p, q in zip(model.parameters(), twin.parameters()))

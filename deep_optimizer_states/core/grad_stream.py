@@ -54,10 +54,17 @@ class GradStream:
         hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
         params = [p for b in layout.buckets for p in b.params]
         self._handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self.gone: dict[int, torch.dtype] = {}  # the last step's ``taken``
         self._ids = [id(p) for p in params]
         for i in self._ids:  # the newest optimizer of a param streams it: a dropped one not yet collected
             _OWNER[i] = self._ref  # would otherwise take its gradients
         weakref.finalize(self, _remove, list(self._handles), self._ids, self._ref)
+        self.reset()
+
+    def end_step(self) -> None:
+        """The step is over: the gradients given back this step are ``gone`` (torch would still hold them, for
+        ``zero_grad(set_to_none=False)`` to zero), and the step's other records are forgotten."""
+        self.gone = self.taken
         self.reset()
 
     def reset(self) -> None:
@@ -68,7 +75,8 @@ class GradStream:
         self.versions: dict[int, int] = {}  # id(param) -> its final gradient's version counter then
         self._unmeasured: list[torch.Tensor] = []  # params with a final gradient whose norm is not taken yet
         self._measure_queued = False  # the end of this backward will take the norms left
-        self.taken: set[int] = set()  # id(param): gradient given back after its subgroups went down
+        self.taken: dict[int, torch.dtype] = {}  # id(param) -> its gradient's dtype: given back after its
+        # subgroups went down
         self._buffer = None
         self.first_final_at: float | None = None  # host clock (perf_counter) at this step's first final gradient
         self.last_final_at: float | None = None  # ... and at its latest
@@ -109,9 +117,15 @@ class GradStream:
 
     def _final_grad(self, p: torch.Tensor) -> None:
         if id(p) in self.versions:
-            raise RuntimeError("a second backward reached gradients that stream_grads has already treated as final "
-                               "(the first one's may have left the GPU): run the backward of every micro-batch but "
-                               "the last under `with opt.accumulating():`, or call opt.zero_grad() between steps")
+            raise RuntimeError(
+                f"a gradient was accumulated a second time this step into a param (shape {tuple(p.shape)}) whose "
+                "gradient stream_grads had already treated as final (it may have left the GPU): run the backward "
+                "of every micro-batch but the last under `with opt.accumulating():`, and call opt.zero_grad() "
+                "between steps. Reentrant activation checkpointing (torch.utils.checkpoint with "
+                "use_reentrant=True, transformers' default) does this too for a param read in two of its "
+                "segments, each with a backward of its own: checkpoint with use_reentrant=False (transformers: "
+                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+                "build the optimizer with stream_grads=False")
         if self.first_final_at is None and self.before_first is not None:
             self.before_first()
         self.versions[id(p)] = local(p.grad)._version
@@ -161,8 +175,8 @@ class GradStream:
         if all(sg.index in self.landed for sg in self._subgroups_of[id(p)]):
             if self.stream is not None:
                 local(p.grad).record_stream(self.stream)  # not reused before the copy has read it
+            self.taken[id(p)] = p.grad.dtype
             p.grad = None
-            self.taken.add(id(p))
 
     def _send(self, sg: Subgroup) -> None:
         """Gather and up-cast the subgroup's gradients on the side stream, then copy them to its grad32 (bf16
