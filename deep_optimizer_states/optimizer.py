@@ -317,11 +317,15 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     # ---- resident states ----------------------------------------------------------------------------
     def _make_current(self, p: torch.Tensor | None) -> None:
         """Before the host copy of ``p``'s states (all params' for None) is read or written: the update left
-        running ends, its resident subgroups are evicted, and copies taken ahead are dropped (a view read
-        may be written in place)."""
+        running ends, a weight edited since the last step becomes its master (as ``master()`` and
+        ``state_dict()`` take it: a stale master read here and written back would undo the edit), its
+        resident subgroups are evicted, and copies taken ahead are dropped (a view read may be written in
+        place)."""
         self.synchronize()
         if self.layout is None:
             return
+        if p is None or id(p) in self.layout.where:
+            self.layout.take_edits(settle=False, only=p)
         if p is None:
             self._drop_ahead()
             self._undo_ahead()

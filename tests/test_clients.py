@@ -712,6 +712,30 @@ def test_master_and_state_dict_see_an_edit_before_the_next_step():
     assert torch.equal(opt.state_dict()["state"][0]["master_param"], torch.full((3, 4), 0.5))
 
 
+@pytest.mark.parametrize("read", ["one", "all"])
+def test_opt_state_sees_an_edit_before_the_next_step_and_a_write_back_keeps_it(read):
+    """Lightning and Accelerate write every state tensor back after loading (``state[k] = state[k].to(dev)``):
+    a master read through ``opt.state`` after the weights were loaded must be the loaded weights, else the
+    write-back would undo the load. One param's states read, or all of them (``items()``)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = DeepOptimizerStates(model, lr=1e-3, schedule="cpu")
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    loaded = {k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()}
+    model.load_state_dict(loaded)
+    p = model[0].weight
+    states = [opt.state[p]] if read == "one" else [s for _, s in opt.state.items()]
+    assert torch.equal(states[0]["master"], torch.full((3, 4), 0.5))
+    for state in states:
+        for key, value in list(state.items()):
+            if isinstance(value, torch.Tensor):
+                state[key] = value.clone()
+    assert all(torch.equal(v, loaded[k]) for k, v in model.state_dict().items()), "the load was undone"
+    assert torch.equal(opt.master(model[1].bias), torch.full((2,), 0.5))
+
+
 def test_a_clip_requested_before_zero_grad_does_not_clip_the_next_step():
     torch.manual_seed(0)
     model, ref_model = nn.Linear(4, 3), nn.Linear(4, 3)

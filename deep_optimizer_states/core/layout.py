@@ -254,9 +254,11 @@ class Layout:
         self._seen[id(p)] = (t._version, t.data_ptr())
 
     @torch.no_grad()
-    def _param_norms(self) -> torch.Tensor:
-        """Every param's fp32 L2 norm, bits as int32 (so that a NaN equals itself): one multi-tensor kernel."""
-        params = [local(p).detach() for b in self.buckets for p in b.params]
+    def _param_norms(self, only: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """Every param's (or ``only`` those params') fp32 L2 norm, bits as int32 (so that a NaN equals
+        itself): one multi-tensor kernel."""
+        params = [local(p).detach() for p in (only if only is not None else
+                                              [p for b in self.buckets for p in b.params])]
         if not params:
             return torch.zeros(0, dtype=torch.int32)
         return torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32)).view(torch.int32)
@@ -277,35 +279,44 @@ class Layout:
         self._pending.update(id(p) for p in params)
 
     @torch.no_grad()
-    def take_edits(self, settle: bool = True) -> list[str]:
+    def take_edits(self, settle: bool = True, only: torch.Tensor | None = None) -> list[str]:
         """Masters of params changed outside the optimizer since our last write := their new values.
 
         An in-place edit (``model.load_state_dict``, ``p.copy_`` under no_grad) bumps the param's version;
         a new tensor behind it (``p.data = t``) changes its storage; an edit through ``p.data`` moves neither
         but changes the param's norm. A param written back with the value it had (the same weights loaded
         again, an EMA swapped in and back out) keeps its master: taking the rounded bf16 value would lose the
-        master's low bits. Returns the edited params' names.
+        master's low bits. ``only``: that param alone (a read of its states), at the cost of its own norm.
+        Nothing is taken from a model whose params changed dtype, device or shape (``changed``: the step
+        refuses them by name; the host states stay readable). Returns the edited params' names.
         """
-        now = self._param_norms()
+        if self.changed():
+            return []
+        pairs = [(b, i) for b in self.buckets for i in range(len(b.params))]
+        if only is None:
+            todo, now = range(len(pairs)), self._param_norms()
+        else:
+            k = next(k for k, (b, i) in enumerate(pairs) if b.params[i] is only)
+            todo, now = [k], self._norms.clone()
+            now[k] = self._param_norms([only])[0]
         moved = (now != self._norms).tolist()  # one device sync
-        edited, k = [], 0
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                t = local(p)
-                loaded = id(p) in self._pending
-                if loaded and not settle:  # a loaded master: the step decides (recheck)
-                    k += 1
-                    continue
-                self._pending.discard(id(p))
-                if loaded or moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
-                    if self.before_host_write is not None:
-                        self.before_host_write(b, i)  # a resident's states back on the host first
-                    if self._rounds_to(b, i, t):
-                        self._note(p)
-                    else:
-                        self.take_param(b, i)
-                        edited.append(b.names[i])
-                k += 1
+        edited = []
+        for k in todo:
+            b, i = pairs[k]
+            p = b.params[i]
+            t = local(p)
+            loaded = id(p) in self._pending
+            if loaded and not settle:  # a loaded master: the step decides (recheck)
+                continue
+            self._pending.discard(id(p))
+            if loaded or moved[k] or self._seen[id(p)] != (t._version, t.data_ptr()):
+                if self.before_host_write is not None:
+                    self.before_host_write(b, i)  # a resident's states back on the host first
+                if self._rounds_to(b, i, t):
+                    self._note(p)
+                else:
+                    self.take_param(b, i)
+                    edited.append(b.names[i])
         self._norms = now
         return edited
 
@@ -317,8 +328,8 @@ class Layout:
         rounded = b.master[b.param_slice(i)].to(device=t.device).to(t.dtype).view(t.shape)
         return bool(torch.equal(rounded, t))
 
-    def check_unchanged(self, module: torch.nn.Module | None) -> None:
-        """Refuse a step on params whose dtype, device or shape changed, or that left the model."""
+    def changed(self) -> str | None:
+        """The first param whose dtype, device or shape changed since the layout was built, and how; None."""
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 t = local(p)
@@ -335,9 +346,16 @@ class Layout:
                 elif not t.is_contiguous():
                     what = "it is no longer contiguous (p.data was replaced by a strided tensor)"
                 if what:
-                    raise RuntimeError(f"param {b.names[i]}: {what} after the optimizer was built. The optimizer "
-                                       "would update buffers the model no longer uses: change dtype or device "
-                                       "before building DeepOptimizerStates (or build a new one and load_state_dict)")
+                    return f"param {b.names[i]}: {what}"
+        return None
+
+    def check_unchanged(self, module: torch.nn.Module | None) -> None:
+        """Refuse a step on params whose dtype, device or shape changed, or that left the model."""
+        what = self.changed()
+        if what:
+            raise RuntimeError(f"{what} after the optimizer was built. The optimizer would update buffers the model "
+                               "no longer uses: change dtype or device before building DeepOptimizerStates (or "
+                               "build a new one and load_state_dict)")
         if module is not None:
             live = {id(p) for p in module.parameters()}
             for b in self.buckets:
