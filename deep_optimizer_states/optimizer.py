@@ -193,6 +193,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
                             if stream_grads else None)
         self._sampled = False  # the budget has read the model's memory in this step's backward
         self._warned_zeroed = False  # zero_grad(set_to_none=False) has said what it costs with stream_grads
+        self._warned_restep = False  # a step without a backward has said that the streamed gradients are gone
         if self.grad_stream is not None:
             self.grad_stream.before_first = _weak(self._backward_began)
         if self.prefetch is not None:
@@ -511,6 +512,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         flags = self.layout.has_grad()
         if self.grad_stream is None:
             return flags
+        if self.grad_stream.gone and self.grad_stream.first_final_at is None and not self._warned_restep:
+            self._warned_restep = True  # torch would step again with the gradients the params still hold
+            warnings.warn("step() with no backward since the last step: the gradients stream_grads sent to the "
+                          "host then are not stepped again (their .grad is None), where torch would step with "
+                          "the gradients the params still hold. Call opt.zero_grad() between steps, or build "
+                          "the optimizer with stream_grads=False", RuntimeWarning)
         return [[f or self.grad_stream.had_grad(p) for f, p in zip(fs, b.params)]
                 for fs, b in zip(flags, self.layout.buckets)]
 

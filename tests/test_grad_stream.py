@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import gc
 import time
+import warnings
 import weakref
 
 import pytest
@@ -448,3 +449,23 @@ def test_a_param_read_in_two_reentrant_checkpoint_segments_is_refused_with_what_
                 m(x).backward()
                 o.step()
         assert all(torch.equal(opt.master(p), ref.master(q)) for p, q in zip(model.parameters(), twin.parameters()))
+
+
+def test_a_second_step_without_a_backward_warns_that_the_streamed_gradients_are_gone():
+    """torch steps again with the gradients the params still hold; those stream_grads sent to the host are
+    gone from the params (``.grad`` None), so a second ``step()`` with no backward between cannot: it warns
+    once, saying to zero the gradients between steps. After ``opt.zero_grad()`` there is nothing to warn of."""
+    model = mlp()
+    opt = DeepOptimizerStates(model, lr=1e-2, schedule="cpu", stream_grads=True)
+    gen = torch.Generator().manual_seed(0)
+    loss_of(model, gen).backward()
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="no backward since the last step"):
+        opt.step()
+    opt.zero_grad()
+    loss_of(model, gen).backward()
+    opt.step()
+    opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # nothing to step, nothing gone
