@@ -122,8 +122,9 @@ class GradStream:
                 "gradient stream_grads had already treated as final (it may have left the GPU): run the backward "
                 "of every micro-batch but the last under `with opt.accumulating():`, and call opt.zero_grad() "
                 "between steps. Reentrant activation checkpointing (torch.utils.checkpoint with "
-                "use_reentrant=True, transformers' default) does this too for a param read in two of its "
-                "segments, each with a backward of its own: checkpoint with use_reentrant=False (transformers: "
+                "use_reentrant=True, transformers' default) does this too for a param read inside one of its "
+                "segments, each with a backward of its own, and elsewhere (another segment, or outside any): "
+                "checkpoint with use_reentrant=False (transformers: "
                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
                 "build the optimizer with stream_grads=False")
         if self.first_final_at is None and self.before_first is not None:
