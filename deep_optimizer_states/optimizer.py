@@ -34,6 +34,7 @@ from .params import checked_device, normalized_group, param_names, refuse_sparse
 from .planning.budget import CudaProbe, MemoryBudget
 from .planning.plan import Plan, Planner
 
+
 class _TorchDefault:
     """weight_decay not given: torch's default for the algorithm (AdamW 1e-2, Adam 0)."""
 
@@ -951,5 +952,3 @@ def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
 def _remove_all(handles: list) -> None:
     for h in handles:
         h.remove()
-
-

@@ -295,11 +295,13 @@ class Layout:
         pairs = [(b, i) for b in self.buckets for i in range(len(b.params))]
         if only is None:
             todo, now = range(len(pairs)), self._param_norms()
+            moved = (now != self._norms).tolist()  # one device sync
         else:
-            k = next(k for k, (b, i) in enumerate(pairs) if b.params[i] is only)
+            b, i = self.where[id(only)]
+            k = next(k for k, (c, j) in enumerate(pairs) if c is b and j == i)
             todo, now = [k], self._norms.clone()
             now[k] = self._param_norms([only])[0]
-        moved = (now != self._norms).tolist()  # one device sync
+            moved = {k: bool(now[k] != self._norms[k])}  # one device sync
         edited = []
         for k in todo:
             b, i = pairs[k]
