@@ -49,12 +49,12 @@ class GradStream:
         self.after_grad: Callable[[], None] | None = None  # told after each final gradient (prefetch fills)
         self.before_first: Callable[[], None] | None = None  # told at a step's first final gradient, first
         self.after_send: Callable[[Subgroup], None] | None = None  # told as a subgroup's gradients go down
+        self.gone: dict[int, torch.dtype] = {}  # the last step's ``taken``, until opt.zero_grad
         self.annotate = False  # name the hooks' spans for torch.profiler (`dos profile --kernels`)
         self._ref = weakref.ref(self)
         hook = _weak_hook(self._ref)  # the model's params must not keep the optimizer alive
         params = [p for b in layout.buckets for p in b.params]
         self._handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
-        self.gone: dict[int, torch.dtype] = {}  # the last step's ``taken``
         self._ids = [id(p) for p in params]
         for i in self._ids:  # the newest optimizer of a param streams it: a dropped one not yet collected
             _OWNER[i] = self._ref  # would otherwise take its gradients
@@ -75,8 +75,7 @@ class GradStream:
         self.versions: dict[int, int] = {}  # id(param) -> its final gradient's version counter then
         self._unmeasured: list[torch.Tensor] = []  # params with a final gradient whose norm is not taken yet
         self._measure_queued = False  # the end of this backward will take the norms left
-        self.taken: dict[int, torch.dtype] = {}  # id(param) -> its gradient's dtype: given back after its
-        # subgroups went down
+        self.taken: dict[int, torch.dtype] = {}  # id(param) -> its gradient's dtype, given back as its subgroups went
         self._buffer = None
         self.first_final_at: float | None = None  # host clock (perf_counter) at this step's first final gradient
         self.last_final_at: float | None = None  # ... and at its latest
