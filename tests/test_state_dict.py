@@ -324,3 +324,27 @@ def test_counts_saved_as_numpy_scalars_load_as_torch_loads_them():
     fresh = DeepOptimizerStates(copy.deepcopy(model), lr=1e-3, subgroup_size=2000)
     fresh.load_state_dict(sd)
     assert all(int(s["step"]) == 2 for s in fresh.state.values())
+
+
+def test_a_torch_checkpoint_loaded_after_ours_leaves_no_mark_that_hides_a_weight_edit():
+    """Our state_dict's masters wait for the next step's recheck (the model's weights may be loaded after);
+    a torch checkpoint loaded next takes the masters from the params, which supersedes that mark: a weight
+    edit after it is the master at once (``master()``, ``state_dict()``), as without the first load."""
+    from torch import nn
+
+    for ours_first in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        twin = copy.deepcopy(model)
+        opt = DeepOptimizerStates(model, lr=1e-2, schedule="cpu")
+        torch_opt = torch.optim.AdamW(twin.parameters(), lr=1e-2)
+        for m, o in ((model, opt), (twin, torch_opt)):
+            m(torch.ones(3, 4)).sum().backward()
+            o.step()
+        if ours_first:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+        edited = torch.full((2, 4), 0.5)
+        model.load_state_dict({"weight": edited, "bias": torch.zeros(2)})
+        assert torch.equal(opt.master(model.weight), edited), ours_first
+        assert torch.equal(opt.state_dict()["state"][0]["master_param"], edited), ours_first

@@ -245,8 +245,10 @@ class Layout:
     # ---- the masters follow the model --------------------------------------------------------------
     def take_param(self, b: Bucket, i: int) -> None:
         """Master of param i = the model's value now (exact: every param dtype widens to fp32). Up-cast on
-        the param's device, so the copy to the host is one DMA into pinned memory."""
+        the param's device, so the copy to the host is one DMA into pinned memory. A loaded master waiting
+        for the next step's recheck is superseded."""
         b.master[b.param_slice(i)].copy_(local(b.params[i]).reshape(-1).float())
+        self._pending.discard(id(b.params[i]))
         self._note(b.params[i])
 
     def _note(self, p: torch.Tensor) -> None:
