@@ -722,8 +722,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         norm, multipliers = raw, []
         if self.scaler is not None:
             if not self._scaled_since_step:
-                raise RuntimeError("fp16 params need a scaled loss: call opt.scale_loss(loss).backward() "
-                                   "(or pass loss_scale=None to DeepOptimizerStates to train unscaled). Under a "
+                raise RuntimeError("fp16 params need a scaled loss before every step: call "
+                                   "opt.scale_loss(loss).backward() (a second step() on the same gradients, with no "
+                                   "backward of a scaled loss since the last, is refused too), or pass "
+                                   "loss_scale=None to DeepOptimizerStates to train unscaled. Under a "
                                    "framework that never calls scale_loss (the Hugging Face Trainer), train bf16 "
                                    "or fp32 params with autocast instead of fp16 params")
             self._scaled_since_step = False

@@ -248,6 +248,17 @@ def test_fp16_without_scaled_loss_is_an_error():
         opt.step()
 
 
+def test_fp16_second_step_on_the_same_gradients_says_so():
+    """A second step() with no backward of a scaled loss since the last is refused, and the message says
+    that this is why (the user did call scale_loss, for the first step)."""
+    model = mlp(torch.float16)
+    opt = DeepOptimizerStates(model, lr=1e-3)
+    opt.scale_loss(loss_of(model, torch.Generator().manual_seed(0))).backward()
+    opt.step()
+    with pytest.raises(RuntimeError, match="a second step.. on the same gradients"):
+        opt.step()
+
+
 def test_module_and_iterable_forms_are_the_same_optimizer():
     a, b = mlp(), mlp()
     oa = DeepOptimizerStates(a, lr=1e-2, subgroup_size=2000)
