@@ -31,7 +31,8 @@ meets the update still running (real races, on the update's own thread).
 Default: a fixed list of seeds (a CI-sized run), with the seeds whose examples met the bugs this test found
 in its first long hunt (forty-eighth session; each fixed, with a test of its own: a zero gradient for the
 params whose gradients left under ``stream_grads`` at ``opt.zero_grad(set_to_none=False)``, gradients changed
-after ``opt.clip_grad_norm_`` measured again, ``opt.state`` reads taking a weight edit, and a clear error for a
+after ``opt.clip_grad_norm_`` measured again, ``opt.state`` reads taking a weight edit, a master taken from the
+param superseding an earlier load's recheck mark, and a clear error for a
 param read inside a reentrant checkpoint segment and elsewhere under ``stream_grads``). ``DOS_FUZZ_EXAMPLES=N``
 runs N seeds from ``DOS_FUZZ_START`` (default 1000), ``DOS_FUZZ_SEEDS=3,17`` those seeds, for long hunts.
 What ``stream_grads`` documents it cannot do is not drawn with it: a gradient changed after backward (refused),
@@ -665,7 +666,7 @@ def _compare(cfg: Config, got: list, want: list, a_name: str, b_name: str) -> No
 
 # ---- the seeds --------------------------------------------------------------------------------------------
 DEFAULT_SEEDS = list(range(40))
-FOUND = [45, 144, 362, 372]  # seeds past the default list whose examples met a bug (fixed) in the first hunt
+FOUND = [45, 144, 362, 372, 700390]  # seeds past the default list whose examples met a bug (fixed) in the first hunt
 
 
 def _seeds() -> list[int]:
