@@ -706,8 +706,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         """Unscale and clip factors for this step, or None when the step is skipped (inf/nan gradients)."""
         clip = self._clip_once if self._clip_once is not None else self.max_grad_norm
         raw, self._norm_cache, self._clip_once = self._norm_cache, None, None
-        if raw is not None and self.planner.sync.anyone(self._grad_marks() != self._norm_of):
-            raw = self._total_norm()  # the gradients changed after clip_grad_norm_ measured them
+        # gradients changed after clip_grad_norm_ measured them (not those set to None since: as in torch, the
+        # clip applies to those left) are measured again; every rank called it, so all ask together
+        if raw is not None and self.planner.sync.anyone(
+                any(m is not None and m != b for m, b in zip(self._grad_marks(), self._norm_of))):
+            raw = self._total_norm()
             if bool(torch.isfinite(raw)):  # inf/nan ones: the step is skipped (or raises) below, as any such
                 raise RuntimeError("the gradients changed after opt.clip_grad_norm_ measured them (another backward, "
                                    "or an edit of a .grad): the clip it returned is for the gradients it measured. "
@@ -759,7 +762,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
     def _grad_marks(self) -> list:
         """Which gradient tensor each param holds, and its version counter: what moves when a backward adds to
         the gradients, an edit changes one in place or a new one is set (``clip_grad_norm_``'s norm is then
-        not theirs)."""
+        not theirs; a gradient set to None leaves nothing to clip)."""
         return [None if p.grad is None else (id(g := local(p.grad)), g.data_ptr(), g._version)
                 for b in self.layout.buckets for p in b.params]
 

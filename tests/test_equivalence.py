@@ -1,5 +1,7 @@
 """Our optimizer against torch.optim.AdamW on fp32 masters, step by step, for every schedule (CPU lanes)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -154,6 +156,28 @@ def test_gradients_changed_after_clip_grad_norm_are_not_stepped_by_its_norm(chan
         with pytest.raises(RuntimeError, match="changed after opt.clip_grad_norm_"):
             opt.step()
     assert all(torch.equal(opt.master(p), b) for p, b in zip(model.parameters(), before)), "nothing updated"
+
+
+def test_a_gradient_dropped_after_clip_grad_norm_leaves_the_others_clipped_as_torch():
+    """torch's clip scales the gradients there and then; one set to None after it is not stepped, the others
+    are, clipped by the norm that counted it: the same here (nothing changed in the gradients left)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+    twin = copy.deepcopy(model)
+    opt = DeepOptimizerStates(model, lr=1e-2, schedule=2, subgroup_size=16)
+    ref = torch.optim.AdamW(twin.parameters(), lr=1e-2, fused=True)
+    x = torch.randn(4, 6)
+    for m, o in ((model, opt), (twin, ref)):
+        m(x).pow(2).sum().backward()
+        if o is opt:
+            opt.clip_grad_norm_(0.01)
+        else:
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
+        m[1].bias.grad = None
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(opt.master(p), q.detach(), rtol=1e-6, atol=0)
+    assert not opt.state[model[1].bias]
 
 
 @pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)

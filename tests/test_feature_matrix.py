@@ -224,8 +224,8 @@ def build(model: nn.Module, cfg: Config, features: bool) -> DeepOptimizerStates:
 class TorchTwin:
     """torch's own fused AdamW (or Adam) behind the calls a trajectory makes of ours, for fp32 models: the
     steps ours skips (inf/nan gradients) skipped, clipping by torch.nn.utils.clip_grad_norm_ right before the
-    step, by ``clip_grad_norm_``'s max_norm if it was called since the last step (as ours: only that one),
-    the gradients put back after it (ours clips what it reads, not the params' .grad), the masters loaded by
+    step, or, if ``clip_grad_norm_`` was called since the last step, by its max_norm and the norm it measured
+    then (as ours: only that one; a gradient set to None since is not stepped), the gradients put back after it (ours clips what it reads, not the params' .grad), the masters loaded by
     load_state_dict shown until the next step. The optimizer-only calls (schedule, synchronize, release) do
     nothing."""
 
@@ -257,18 +257,22 @@ class TorchTwin:
                 raise FloatingPointError("inf/nan gradients")
             self.skipped_steps += 1
             return
-        clip = clip if clip is not None else self.max_grad_norm
-        grads = [p.grad.clone() for p in params] if clip is not None else None
-        if clip is not None:  # ours clips the gradients it reads, not the params' .grad: put them back after
-            torch.nn.utils.clip_grad_norm_(params, clip)
+        clip = clip if clip is not None else (self.max_grad_norm, None)
+        grads = [p.grad.clone() for p in params] if clip[0] is not None else None
+        if clip[1] is not None:  # clip_grad_norm_'s: by the norm it measured then, as torch (gradients set to
+            coef = torch.clamp(clip[0] / (clip[1] + 1e-6), max=1.0)  # None since are not stepped)
+            torch._foreach_mul_([p.grad for p in params], coef)
+        elif clip[0] is not None:  # ours clips the gradients it reads, not the params' .grad: put them back after
+            torch.nn.utils.clip_grad_norm_(params, clip[0])
         self.opt.step()
         if grads is not None:
             for p, g in zip(params, grads):
                 p.grad.copy_(g)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        self._clip = max_norm  # applied in step, as ours
-        return torch.nn.utils.get_total_norm([p.grad for p in self._with_grads()])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self._with_grads()])
+        self._clip = (max_norm, norm)  # applied in step, as ours
+        return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clip = None
