@@ -289,10 +289,11 @@ class Layout:
         but changes the param's norm. A param written back with the value it had (the same weights loaded
         again, an EMA swapped in and back out) keeps its master: taking the rounded bf16 value would lose the
         master's low bits. ``only``: that param alone (a read of its states), at the cost of its own norm.
-        Nothing is taken from a model whose params changed dtype, device or shape (``changed``: the step
-        refuses them by name; the host states stay readable). Returns the edited params' names.
+        Outside a step (``settle=False``) nothing is taken from a model whose params changed dtype, device or
+        shape (``changed``: the step refuses them by name first; the host states stay readable). Returns the
+        edited params' names.
         """
-        if self.changed():
+        if not settle and self.changed():
             return []
         pairs = [(b, i) for b in self.buckets for i in range(len(b.params))]
         if only is None:
