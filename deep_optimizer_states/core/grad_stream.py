@@ -121,8 +121,8 @@ class GradStream:
                 "gradient stream_grads had already treated as final (it may have left the GPU): run the backward "
                 "of every micro-batch but the last under `with opt.accumulating():`, and call opt.zero_grad() "
                 "between steps. Reentrant activation checkpointing (torch.utils.checkpoint with "
-                "use_reentrant=True, transformers' default) does this too for a param read inside one of its "
-                "segments, each with a backward of its own, and elsewhere (another segment, or outside any): "
+                "use_reentrant=True, the default of transformers 4) does this too for a param read inside one of "
+                "its segments, each with a backward of its own, and elsewhere (another segment, or outside any): "
                 "checkpoint with use_reentrant=False (transformers: "
                 "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
                 "build the optimizer with stream_grads=False")
