@@ -225,9 +225,9 @@ class TorchTwin:
     """torch's own fused AdamW (or Adam) behind the calls a trajectory makes of ours, for fp32 models: the
     steps ours skips (inf/nan gradients) skipped, clipping by torch.nn.utils.clip_grad_norm_ right before the
     step, or, if ``clip_grad_norm_`` was called since the last step, by its max_norm and the norm it measured
-    then (as ours: only that one; a gradient set to None since is not stepped), the gradients put back after it (ours clips what it reads, not the params' .grad), the masters loaded by
-    load_state_dict shown until the next step. The optimizer-only calls (schedule, synchronize, release) do
-    nothing."""
+    then (as ours: only that one; a gradient set to None since is not stepped), the gradients put back after
+    it (ours clips what it reads, not the params' .grad), the masters loaded by load_state_dict shown until
+    the next step. The optimizer-only calls (schedule, synchronize, release) do nothing."""
 
     def __init__(self, model: nn.Module, cfg: Config) -> None:
         params, _ = param_groups(model, cfg)
