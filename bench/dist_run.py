@@ -60,7 +60,7 @@ STAGING_SLOTS = 2  # --slots
 
 def _ours(preset: str, device: torch.device, micro_batch: int, schedule: str = "offload", stream: bool = False,
           overlap: bool = False, prefetch: bool = False, speculate: bool | int = False, bf16: bool = False):
-    from torch.distributed.fsdp import fully_shard
+    from deep_optimizer_states.core.fsdp_api import fully_shard
 
     from deep_optimizer_states import DeepOptimizerStates, Placement
 

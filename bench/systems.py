@@ -264,7 +264,7 @@ def fsdp2_offload_model(preset: str, device: torch.device) -> tuple[torch.nn.Mod
     rank's shards made on the host (pinned by FSDP2) and initialised; no rank ever holds the whole fp32
     model (built whole on every rank, the 10.6B model's host peak was 230 GB for two ranks, rows before
     2026-11-30's fourteenth session)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from deep_optimizer_states.core.fsdp_api import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model = llama(preset, torch.float32, "meta")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

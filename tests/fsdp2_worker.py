@@ -33,9 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states.core.fsdp_api import MixedPrecisionPolicy, fully_shard
 
 ROWS = 6  # rows of one global micro-batch: divisible by 1, 2 and 3 ranks
 MICRO = 2
@@ -190,8 +190,6 @@ def bf16_path_mode(steps: int, schedule, stream: bool) -> None:
 def mixed_precision_mode(steps: int, schedule) -> None:
     """torchtitan's setting: fp32 sharded params, bf16 compute, fp32 reduce-scatter
     (MixedPrecisionPolicy). Ours on those shards must follow torch.optim.AdamW on a twin sharded alike."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, twin = shard(make_model(), mp_policy=policy), shard(make_model(), mp_policy=policy)
     opt = ours(model, schedule)

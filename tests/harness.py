@@ -19,6 +19,33 @@ needs_compiler = pytest.mark.skipif(shutil.which("c++") is None or shutil.which(
 SCHEDULES = ["cpu", "gpu", 1, 2, 3, 7, "auto"]
 
 
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of ``grads`` as one vector, as torch's clip_grad_norm_ measures it: get_total_norm (torch >=
+    2.6), or on torch 2.5 the same steps inside clip_grad_norm_ (per device and dtype, one foreach norm each)."""
+    if hasattr(torch.nn.utils, "get_total_norm"):
+        return torch.nn.utils.get_total_norm(grads)
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    if not grads:
+        return torch.tensor(0.0)
+    groups = _group_tensors_by_device_and_dtype([list(grads)])
+    norms = [n for [group], _ in groups.values() for n in torch._foreach_norm(group, 2.0)]
+    return torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in norms]), 2.0)
+
+
+def skip_unless_trainer_resumes() -> None:
+    """Skip where the Hugging Face Trainer cannot resume any checkpoint: transformers >= 4.50 refuses torch.load
+    (the RNG states, optimizer.pt) on torch < 2.6 (CVE-2025-32434), whatever the optimizer."""
+    from transformers.utils import import_utils
+
+    check = getattr(import_utils, "check_torch_load_is_safe", None)
+    try:
+        if check is not None:
+            check()
+    except ValueError as e:
+        pytest.skip(f"transformers refuses to resume on this torch: {str(e).splitlines()[0]}")
+
+
 def tiny_llama(dtype=torch.float32, device="cpu", tie: bool = False, seed: int = 0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 

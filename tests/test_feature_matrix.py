@@ -59,7 +59,7 @@ from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states.core import engine
-from tests.harness import mlp, tiny_llama
+from tests.harness import mlp, tiny_llama, total_norm
 
 HAS_COMPILER = shutil.which("c++") is not None and shutil.which("ninja") is not None
 UNLIMITED = 10**15
@@ -270,7 +270,7 @@ class TorchTwin:
                 p.grad.copy_(g)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self._with_grads()])
+        norm = total_norm([p.grad for p in self._with_grads()])
         self._clip = (max_norm, norm)  # applied in step, as ours
         return norm
 

@@ -150,6 +150,40 @@ def test_trains_a_local_hugging_face_model_directory_on_your_files(tmp_path):
     assert summary["run"]["vocab"] == 300 and len(summary["losses"]) == 3
 
 
+def _word_tokenizer(directory, words: list[str]) -> None:
+    """A word-level Hugging Face tokenizer saved into ``directory`` (built offline with ``tokenizers``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>").save_pretrained(directory)
+
+
+def test_trains_with_the_model_directorys_own_tokenizer_and_refuses_one_that_does_not_load(tmp_path):
+    """The directory's tokenizer encodes the data (the sample decodes to its words, not bytes); a tokenizer
+    file that does not load is an error, never a silent fall-back to bytes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    words = "the quick brown fox jumps over lazy dog".split()
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                      intermediate_size=128, vocab_size=16)  # under the 256 byte ids: bytes would be refused
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "model")
+    _word_tokenizer(tmp_path / "model", words)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+    args = ["train", "--model", str(tmp_path / "model"), "--data", str(text), "--seq", "16", "--micro-batch", "4",
+            "--steps", "2", "--eval-batches", "1", "--sample-tokens", "6", "--no-progress"]
+    dos(*args, "--summary-json", str(tmp_path / "summary.json"), cache=tmp_path)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["run"]["vocab"] == 16 and len(summary["losses"]) == 2
+    assert set(summary["sample"].split()) <= {*words, "[UNK]", "</s>"}, summary["sample"]
+    (tmp_path / "model" / "tokenizer.json").write_text("{not json")
+    run = dos(*args, cache=tmp_path, check=False)
+    assert run.returncode == 2 and "its tokenizer does not load" in run.stderr, run.stderr[-2000:]
+
+
 def test_stream_grads_and_overlap_train_the_same_curve(tmp_path):
     """--stream-grads sends the gradients down during backward (the last micro-batch of each step), and
     --overlap leaves each update running beside the next forward: on the CPU the same fp32 operations, so

@@ -395,7 +395,11 @@ class _FirstForward:
         if self.done or not self.active:
             return
         self.active, self.done = False, True
-        self.unread = frozenset(self.early).union(*(i for m, i in self.readers if id(m) not in self.fired))
+        unread = set(self.early)  # a loop, not frozenset.union(*...): torch 2.5's dynamo cannot trace that
+        for module, subgroups in self.readers:
+            if id(module) not in self.fired:
+                unread |= subgroups
+        self.unread = frozenset(unread)
         rest = [i for i in sorted(self.need, key=self.need.get) if i not in self.unread]
         self.need.clear()
         for i in [*sorted(self.unread), *rest]:
@@ -479,11 +483,6 @@ def _unit_waits(unit: nn.Module, own: dict[int, frozenset], wait: Callable) -> C
 
 def _is_fsdp_unit(module: nn.Module) -> bool:
     """Whether ``fully_shard`` was applied to this module (FSDP2; torch >= 2.5)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        try:  # torch 2.5
-            from torch.distributed._composable.fsdp import FSDPModule
-        except ImportError:  # torch built without distributed support
-            return False
-    return isinstance(module, FSDPModule)
+    from .fsdp_api import FSDPModule
+
+    return FSDPModule is not None and isinstance(module, FSDPModule)

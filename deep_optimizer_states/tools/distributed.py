@@ -29,7 +29,7 @@ def join(device: torch.device) -> tuple[torch.device, int, int]:
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2: each decoder layer (``model.model.layers`` of a Hugging Face causal LM), then the root."""
-    from torch.distributed.fsdp import fully_shard
+    from ..core.fsdp_api import fully_shard
 
     for layer in getattr(getattr(model, "model", None), "layers", []):
         fully_shard(layer)

@@ -23,6 +23,9 @@ from torch import nn
 # CPU default: 2.8M params, about 2 minutes on 2 idle cores, byte-level loss from ~5.5 to below 2.
 CPU_DEFAULTS = {"hidden": 256, "layers": 4, "seq": 128, "micro_batch": 16}
 GPU_DEFAULTS = {"seq": 1024, "micro_batch": 8}
+# the files a Hugging Face tokenizer is saved as (any one of them: the directory has a tokenizer)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
 
 
 class UsageError(Exception):
@@ -79,10 +82,13 @@ def _pretrained(path: str, meta: bool = False):
             model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # dtype set below
     except (OSError, ValueError) as e:
         raise UsageError(f"--model {path}: cannot load it as a causal LM ({e})") from None
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        return model, None  # no tokenizer there: asked for anyway, transformers may raise anything (4.57 on llama)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError):
-        tokenizer = None
+    except Exception as e:  # a tokenizer that is there but does not load: never train on bytes instead
+        raise UsageError(f"--model {path}: its tokenizer does not load ({type(e).__name__}: {e}); fix or remove "
+                         f"its tokenizer files ({', '.join(TOKENIZER_FILES)}) to train on bytes") from None
     return model, tokenizer
 
 
