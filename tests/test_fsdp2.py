@@ -22,14 +22,15 @@ from tests.harness import needs_compiler
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without distributed support")
 WORKER = Path(__file__).with_name("fsdp2_worker.py")
-# FSDP2 shards on the CPU (gloo) from torch 2.6; torch 2.5's needs CUDA ("FSDP requires CUDA for streams")
-CPU_FSDP2 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 6)
+# FSDP2 shards on the CPU (gloo) from torch 2.7: torch 2.5's needs CUDA ("FSDP requires CUDA for streams"),
+# torch 2.6's records an event on a CPU stream, which has none (AttributeError)
+CPU_FSDP2 = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 7)
 
 
 def torchrun(ranks: int, *args: str, target: list[str] | None = None) -> str:
     """Run ``target`` (the worker script by default) on ``ranks`` CPU processes; its stdout."""
     if not CPU_FSDP2:
-        pytest.skip(f"FSDP2 on CPU processes needs torch >= 2.6 (torch {torch.__version__}'s needs CUDA streams)")
+        pytest.skip(f"FSDP2 on CPU processes needs torch >= 2.7 (torch {torch.__version__}'s needs CUDA streams)")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parent.parent)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            *(target or [str(WORKER)]), *args]

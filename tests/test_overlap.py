@@ -368,6 +368,11 @@ def test_a_compiled_llama_gives_the_same_result_whatever_the_updates_timing(monk
     """On a Llama the waits' graph breaks split the compiled forward and backward differently from the
     synchronous run's graphs, so the two differ by rounding; a race would instead make the result depend
     on how long the update takes. Slowed down or not, the overlapped runs agree bit for bit."""
+    import transformers
+
+    if int(transformers.__version__.split(".")[0]) >= 5 and not hasattr(torch.compiler, "is_exporting"):
+        pytest.skip(f"transformers 5's Llama calls torch.compiler.is_exporting, which torch {torch.__version__} "
+                    "lacks: it does not compile here, whatever the optimizer")
     real = engine.adam_update
     delay = {"s": 0.0}
 

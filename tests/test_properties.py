@@ -27,8 +27,8 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _grads_may_differ_in_dtype() -> bool:
-    """Whether this torch lets a param hold a gradient of another dtype (``grad_dtype``: fp32 on bf16); torch 2.5
-    has no such attribute and refuses."""
+    """Whether this torch lets a param hold a gradient of another dtype (``grad_dtype``: fp32 on bf16); torch
+    2.5-2.7 have no such attribute and refuse."""
     p = torch.zeros(1, dtype=torch.bfloat16, requires_grad=True)
     try:
         p.grad_dtype = torch.float32

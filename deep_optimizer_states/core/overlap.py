@@ -279,11 +279,13 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         readers = [(m, indices) for m, indices in readers if indices]
         owners = {id(p): (id(m), subgroups([p])) for m, params in owned for p in params if subgroups([p])}
         first = _FirstForward(model, readers, owners, wait, need, ref, handles)
+        reading = {id(m) for m, _ in readers}
         for m in model.modules():  # a part called on its own may read params of others before they run
-            if m is not model and next(m.parameters(), None) is not None:
+            if m is not model and id(m) not in reading and next(m.parameters(), None) is not None:
                 handles.append(m.register_forward_pre_hook(_before_first_forward(first), prepend=True))
-        for m, indices in readers:
-            handles.append(m.register_forward_pre_hook(_module_waits(m, indices, first, wait), prepend=True))
+        for m, indices in readers:  # one hook a module: torch 2.7's dynamo guarded on two by the wrong one's cells
+            hook = _module_waits(m, indices, first, wait, part=m is not model)
+            handles.append(m.register_forward_pre_hook(hook, prepend=True))
             order.append(indices)
         for b in layout.buckets:
             for i, p in enumerate(b.params):
@@ -300,11 +302,15 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
     return handles, need
 
 
-def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward", wait: Callable) -> Callable:
-    """A module's pre-forward wait for the subgroups of the params only it can read."""
+def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward", wait: Callable,
+                  part: bool) -> Callable:
+    """A module's pre-forward wait for the subgroups of the params only it can read; then, for a part of the
+    model, the check of ``_before_first_forward``."""
     def hook(*args: Any) -> None:
         first.saw(module)
         wait(indices, False)
+        if part and not (first.done or first.active):
+            first.outside()
     return hook
 
 
@@ -344,7 +350,8 @@ class _FirstForward:
         self.unread: frozenset = frozenset()
         self.active = self.done = self.told = False
         self._mode: _ParamReads | None = None
-        handles += [model.register_forward_pre_hook(self._begin, prepend=True), model.register_forward_hook(self._end),
+        handles += [model.register_forward_pre_hook(self._begin, prepend=True),
+                    model.register_forward_hook(_eager(self._end)),
                     model.register_forward_hook(self._stop_watching, always_call=True)]
 
     def read(self, args: tuple, kwargs: dict) -> None:
@@ -395,11 +402,7 @@ class _FirstForward:
         if self.done or not self.active:
             return
         self.active, self.done = False, True
-        unread = set(self.early)  # a loop, not frozenset.union(*...): torch 2.5's dynamo cannot trace that
-        for module, subgroups in self.readers:
-            if id(module) not in self.fired:
-                unread |= subgroups
-        self.unread = frozenset(unread)
+        self.unread = frozenset(self.early).union(*(i for m, i in self.readers if id(m) not in self.fired))
         rest = [i for i in sorted(self.need, key=self.need.get) if i not in self.unread]
         self.need.clear()
         for i in [*sorted(self.unread), *rest]:
@@ -427,6 +430,12 @@ class _ParamReads(TorchFunctionMode):
         kwargs = kwargs or {}
         self.first.read(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _eager(hook: Callable) -> Callable:
+    """``hook`` run as plain Python under torch.compile (one graph break where it runs): bookkeeping that
+    dynamo need not trace, and that torch 2.5-2.6's dynamo failed to (a set built from another)."""
+    return torch.compiler.disable(hook)
 
 
 def _compiling() -> bool:
