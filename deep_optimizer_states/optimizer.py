@@ -947,11 +947,14 @@ def _failure(err: BaseException) -> str:
 
 
 def _forward_hook(ref: "weakref.ref[DeepOptimizerStates]") -> Callable:
+    """The model's pre-forward hook (``_before_forward``), run as plain Python under torch.compile (one graph
+    break before the forward): bookkeeping and evictions that dynamo need not trace, and that torch 2.11's
+    dynamo refused to (a setattr on the optimizer)."""
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
         opt = ref()
         if opt is not None:
             opt._before_forward(args, kwargs)
-    return hook
+    return torch.compiler.disable(hook)
 
 
 def _remove_all(handles: list) -> None:

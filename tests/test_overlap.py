@@ -364,6 +364,72 @@ def test_a_compiled_model_still_waits_module_by_module(slow_adam, compiled_first
     assert all(torch.equal(a, b) for a, b in zip(got_params, want_params))
 
 
+def test_a_compiled_models_frames_do_not_grow_with_its_depth_or_steps(slow_adam):
+    """The waits and the optimizer's own pre-hook on the model run eagerly (``torch.compiler.disable``), so
+    dynamo traces none of them and guards on none of the update's state: a model of 2, 4 or 12 blocks
+    compiles the same frames, none of them after the second step, whether the update is in flight when a
+    forward begins or not. (Traced, each module's wait compiled a frame of its own, again as the update's
+    state changed, up to dynamo's recompile limit; and torch 2.11's dynamo raised on the hook's write to the
+    optimizer.)"""
+    from torch._dynamo.utils import counters
+
+    def frames(depth: int) -> list[int]:
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.ReLU()) for _ in range(depth)], nn.Linear(32, 8))
+        opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=600, overlap=True, stream_grads=True)
+        opt.schedule = "cpu"
+        compiled = torch.compile(model, backend="aot_eager")
+        gen, seen = torch.Generator().manual_seed(0), []
+        for _ in range(5):
+            opt.zero_grad()
+            (compiled(torch.randn(16, 32, generator=gen)) - torch.randn(16, 8, generator=gen)).pow(2).mean().backward()
+            opt.step()
+            seen.append(counters["frames"]["total"])
+        opt.synchronize()
+        return seen
+
+    got = {depth: frames(depth) for depth in (2, 4, 12)}
+    assert got[2] == got[4] == got[12], f"frames compiled by the end of each step, by depth: {got}"
+    assert got[2][1] == got[2][-1], got
+
+
+@pytest.mark.parametrize("how", ["whole_model", "blocks_fullgraph"])
+def test_a_model_given_to_the_optimizer_compiles(how):
+    """Not overlapped: the whole model compiled (its optimizer's pre-hook a graph break: torch 2.9-2.11's
+    dynamo raised on it, traced), or its blocks with ``fullgraph=True`` (as torchtitan compiles; the hook is
+    on the model, outside them). Either run equals the uncompiled one bit for bit."""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear, self.norm = nn.Linear(32, 32), nn.LayerNorm(32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(torch.nn.functional.gelu(self.linear(x)))
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), Block(), nn.Linear(32, 8))
+        opt = DeepOptimizerStates(model, lr=1e-2, subgroup_size=600)
+        forward = model
+        if compiled and how == "whole_model":
+            forward = torch.compile(model, backend="aot_eager")
+        elif compiled:
+            for block in model[:2]:
+                block.compile(backend="aot_eager", fullgraph=True)
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            opt.zero_grad()
+            x, y = torch.randn(16, 32, generator=gen), torch.randn(16, 8, generator=gen)
+            (forward(x) - y).pow(2).mean().backward()
+            opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+
+
 def test_a_compiled_llama_gives_the_same_result_whatever_the_updates_timing(monkeypatch):
     """On a Llama the waits' graph breaks split the compiled forward and backward differently from the
     synchronous run's graphs, so the two differ by rounding; a race would instead make the result depend

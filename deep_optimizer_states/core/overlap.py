@@ -249,6 +249,7 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         return frozenset(sg.index for p in params if id(p) in layout.where
                          for sg in layout.subgroups_of(*layout.where[id(p)]))
 
+    @_eager  # the update's state unguarded: torch.compile runs it as one graph break (no recompiles as it changes)
     def wait(indices: Iterable[int], on_host: bool) -> None:
         opt = ref()
         if opt is not None and opt.overlapper is not None:
@@ -311,7 +312,7 @@ def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward",
         wait(indices, False)
         if part and not (first.done or first.active):
             first.outside()
-    return hook
+    return _eager(hook)
 
 
 def _before_first_forward(first: "_FirstForward") -> Callable:
@@ -433,8 +434,8 @@ class _ParamReads(TorchFunctionMode):
 
 
 def _eager(hook: Callable) -> Callable:
-    """``hook`` run as plain Python under torch.compile (one graph break where it runs): bookkeeping that
-    dynamo need not trace, and that torch 2.5-2.6's dynamo failed to (a set built from another)."""
+    """``hook`` run as plain Python under torch.compile (one graph break where it runs): bookkeeping and
+    waits that dynamo need not trace, and that torch 2.5-2.6's dynamo failed to (a set built from another)."""
     return torch.compiler.disable(hook)
 
 
