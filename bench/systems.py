@@ -24,7 +24,7 @@ from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core import cpu_adamw
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import Placement, spread
-from deep_optimizer_states.tools.models import llama, materialize
+from deep_optimizer_states.tools.models import checkpoint_activations, llama, materialize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 CLIP = 1.0  # max_grad_norm of the systems named *_clip (the Hugging Face Trainer's default)
@@ -106,7 +106,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             torch.cuda.memory._set_allocator_settings(allocator)
         model = llama(preset, torch.bfloat16, device)
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpoint_activations(model)
         threads = max(1, (os.cpu_count() or 1) - spare_cores) if spare_cores else None
         opt = DeepOptimizerStates(model, lr=LR, weight_decay=WEIGHT_DECAY, schedule=schedule,
                                   stream_grads=stream_grads, overlap=overlap, max_grad_norm=max_grad_norm,

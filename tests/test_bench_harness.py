@@ -14,6 +14,7 @@ from bench import dist_estimate, host_load, report, rounds, run_system, suite, w
 from bench.free_loop import PARTS, free_running
 from bench.systems import CLIP, REFERENCE
 from deep_optimizer_states.core import cpu_adamw
+from deep_optimizer_states.tools.models import checkpoints_activations
 from tests.harness import needs_compiler
 
 
@@ -891,9 +892,9 @@ def test_the_checkpointing_variant_of_the_defaults_turns_it_on_and_trains():
 
     name = "ours_offload_overlap_spec_prefetch_bf16_ckpt"
     trainer = SYSTEMS[name]("tiny", torch.device("cpu"), 1)
-    assert trainer.model.is_gradient_checkpointing and "activation checkpointing" in trainer.settings
+    assert checkpoints_activations(trainer.model) and "activation checkpointing" in trainer.settings
     plain = SYSTEMS["ours_offload_overlap_spec_prefetch_bf16"]("tiny", torch.device("cpu"), 1)
-    assert not plain.model.is_gradient_checkpointing
+    assert not checkpoints_activations(plain.model)
     row = run_system.run(name, "tiny", None, iters=2, warmup=1, micro_batch=1, seq=16, device=torch.device("cpu"))
     assert row["status"] == "ok", row.get("traceback")
     assert row["losses"][-1] < row["losses"][0]

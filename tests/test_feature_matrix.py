@@ -59,6 +59,7 @@ from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states.core import engine
+from deep_optimizer_states.tools.models import checkpoint_activations
 from tests.harness import mlp, tiny_llama, total_norm
 
 HAS_COMPILER = shutil.which("c++") is not None and shutil.which("ninja") is not None
@@ -177,8 +178,7 @@ def make_model(cfg: Config) -> nn.Module:
     else:
         model = tiny_llama(cfg.dtype, tie=cfg.model == "llama_tied", seed=cfg.seed % 7)
         if cfg.checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": cfg.checkpointing == "reentrant"})
+            checkpoint_activations(model, reentrant=cfg.checkpointing == "reentrant")
             model.train()
     if cfg.frozen is not None:
         params = list(model.parameters())

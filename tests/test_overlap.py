@@ -19,6 +19,7 @@ from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
 from deep_optimizer_states.core import engine, layout
+from deep_optimizer_states.tools.models import checkpoint_activations
 from tests.harness import loss_of, mlp, tiny_llama
 
 R, S, C = Placement.RESIDENT, Placement.STAGED, Placement.CPU
@@ -472,7 +473,7 @@ def test_a_compiled_llama_gives_the_same_result_whatever_the_updates_timing(monk
 def _checkpointed(reentrant: bool):
     def make():
         model = tiny_llama()
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        checkpoint_activations(model, reentrant)
         return model.train()
     return make
 

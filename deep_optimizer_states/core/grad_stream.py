@@ -123,8 +123,9 @@ class GradStream:
                 "between steps. Reentrant activation checkpointing (torch.utils.checkpoint with "
                 "use_reentrant=True, the default of transformers 4) does this too for a param read inside one of "
                 "its segments, each with a backward of its own, and elsewhere (another segment, or outside any): "
-                "checkpoint with use_reentrant=False (transformers: "
-                "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})), or "
+                "checkpoint with use_reentrant=False (transformers: activation_checkpointing_enable("
+                "activation_checkpointing_kwargs={'use_reentrant': False}), or gradient_checkpointing_enable("
+                "gradient_checkpointing_kwargs={'use_reentrant': False}) where it lacks that name), or "
                 "build the optimizer with stream_grads=False")
         if self.first_final_at is None and self.before_first is not None:
             self.before_first()

@@ -45,6 +45,24 @@ def llama(preset: str = "tiny", dtype: torch.dtype | None = torch.bfloat16, devi
     return model if dtype is None else model.to(dtype)
 
 
+def checkpoint_activations(model: nn.Module, reentrant: bool = False) -> None:
+    """Turn on a Hugging Face model's activation checkpointing (non-reentrant by default: the one streamed
+    gradients allow), by the name transformers has: ``activation_checkpointing_enable`` where it exists
+    (``gradient_checkpointing_enable`` is its deprecated alias there, to go in transformers 6), else the old
+    one (transformers 4 and earlier 5.x)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def checkpoints_activations(model: nn.Module) -> bool:
+    """Whether a Hugging Face model's activation checkpointing is on (either name of the property)."""
+    new = hasattr(type(model), "is_activation_checkpointing")
+    return bool(model.is_activation_checkpointing if new else model.is_gradient_checkpointing)
+
+
 def materialize(model: nn.Module, device: str | torch.device, seed: int = 0,
                 weights: str | Path | None = None) -> nn.Module:
     """Give a Hugging Face causal LM built on the meta device (sharded with FSDP2 or not) storage on
