@@ -488,7 +488,7 @@ def _unit_waits(unit: nn.Module, own: dict[int, frozenset], wait: Callable) -> C
         state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
         keys = [_state_key(unit)] + [id(s) for s in getattr(state, "_states_to_forward_prefetch", ())]
         wait(frozenset().union(*(own.get(k, frozenset()) for k in keys)), True)
-    return hook
+    return _eager(hook)
 
 
 def _is_fsdp_unit(module: nn.Module) -> bool:
