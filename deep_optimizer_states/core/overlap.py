@@ -249,7 +249,7 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         return frozenset(sg.index for p in params if id(p) in layout.where
                          for sg in layout.subgroups_of(*layout.where[id(p)]))
 
-    @_eager  # the update's state unguarded: torch.compile runs it as one graph break (no recompiles as it changes)
+    @_eager  # also from _FirstForward._begin, which dynamo traces: the update's state is never guarded on
     def wait(indices: Iterable[int], on_host: bool) -> None:
         opt = ref()
         if opt is not None and opt.overlapper is not None:
@@ -283,7 +283,7 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
         reading = {id(m) for m, _ in readers}
         for m in model.modules():  # a part called on its own may read params of others before they run
             if m is not model and id(m) not in reading and next(m.parameters(), None) is not None:
-                handles.append(m.register_forward_pre_hook(_before_first_forward(first), prepend=True))
+                handles.append(m.register_forward_pre_hook(first.outside, prepend=True))
         for m, indices in readers:  # one hook a module: torch 2.7's dynamo guarded on two by the wrong one's cells
             hook = _module_waits(m, indices, first, wait, part=m is not model)
             handles.append(m.register_forward_pre_hook(hook, prepend=True))
@@ -306,21 +306,13 @@ def install_waits(model: nn.Module, layout: "Layout", ref: Callable[[], Any]) ->
 def _module_waits(module: nn.Module, indices: frozenset, first: "_FirstForward", wait: Callable,
                   part: bool) -> Callable:
     """A module's pre-forward wait for the subgroups of the params only it can read; then, for a part of the
-    model, the check of ``_before_first_forward``."""
+    model, ``_FirstForward.outside``."""
     def hook(*args: Any) -> None:
         first.saw(module)
         wait(indices, False)
-        if part and not (first.done or first.active):
+        if part:
             first.outside()
     return _eager(hook)
-
-
-def _before_first_forward(first: "_FirstForward") -> Callable:
-    """A part of the model's pre-forward check: is this forward outside the model's own, before its first?"""
-    def hook(*args: Any) -> None:
-        if not (first.done or first.active):
-            first.outside()
-    return hook
 
 
 class _FirstForward:
@@ -367,9 +359,12 @@ class _FirstForward:
         if self.active:
             self.fired.add(id(module))
 
-    def outside(self) -> None:
-        """A module's forward before the model's own first forward, which has not yet taught which params
-        are read outside their own module's forward: with an update left running, wait for all of it."""
+    def outside(self, *args: Any) -> None:
+        """A part of the model's pre-forward check (its hook, or within its wait's): a forward outside the
+        model's own, before its first, which has not yet taught which params are read outside their own
+        module's forward: with an update left running, wait for all of it."""
+        if self.done or self.active:
+            return
         opt = self.ref()
         if opt is None or opt.overlapper is None or not opt.overlapper.busy:
             return
