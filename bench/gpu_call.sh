@@ -17,6 +17,9 @@
 #   PHASES=0: suite steps synchronise no iteration (bench.run_system --no-phases), as a loop that never does;
 #   PHASES=peers: only ours do not (bench.suite --phases peers: our rows as a loop runs, the peers' breakdown)
 #   After each suite step, bench.walls prints its rows' step records (CPU path rate included) into walls.log
+#   A system NAME@.ab/REV runs another commit's library and bench (bench/tree.sh REV, then carry .ab): with
+#   ROUNDS=N beside plain names, two libraries paired on one machine, e.g.
+#   bench/tree.sh ce79ce8; ROUNDS=3 PHASES=peers ITERS=12 bash bench/gpu_call.sh 560 again:1.36b:whole:S,S_bwdfills@.ab/ce79ce8
 set -u
 # TORCH_EXTENSIONS_DIR: DeepSpeed's CPU Adam op is built (JIT) at its first use; kept in /tmp, the build serves the
 # later calls of a warm machine (DeepSpeed's setup took 66-70 s at both sizes in calls 147-148, the build not timed

@@ -10,6 +10,11 @@ markdown table, the ratios and the figures, and the loss check of ours.
 ``--rounds N`` runs the whole list N times, alternating (A B A B ...), each row marked with its ``round`` and
 the call's ``series``: runs of the same settings on one H200 moved 8-20% within a lease (overlap.md calls
 66-70), so a lever is judged by paired rounds (``python -m bench.rounds``), not by one run of each.
+
+``NAME@DIR`` runs system NAME (as that tree's bench names it) with the library and bench of another commit's
+tree in DIR (``bench/tree.sh REV`` makes one under ``.ab/``), with a calibration cache of its own: in rounds beside plain NAME it tells
+whether a change between two commits moved the iteration, on one machine rather than across hosts that
+differ by more than the change (the CPU path's rate went 2.1-3.9 G elements/s between H200 hosts).
 """
 
 from __future__ import annotations
@@ -46,11 +51,22 @@ def parse_budgets(text: str) -> list[float | None]:
     return budgets
 
 
+def split_tree(system: str) -> tuple[str, Path | None]:
+    """``NAME@DIR`` -> (NAME, DIR): the system and the source tree it runs from (None: this one)."""
+    name, at, tree = system.partition("@")
+    return name, (Path(tree) if at else None)
+
+
 def parse_systems(text: str) -> list[str]:
     names = sorted(SYSTEMS) if text == "all" else [s.strip() for s in text.split(",")]
-    unknown = [s for s in names if s not in SYSTEMS]
+    unknown = [s for s in names if split_tree(s)[1] is None and s not in SYSTEMS]  # a tree's own bench checks its
     if unknown:
         raise ValueError(f"unknown systems {unknown}; choose from {', '.join(sorted(SYSTEMS))}")
+    for name in names:
+        tree = split_tree(name)[1]
+        if tree is not None and not (tree / "bench" / "run_system.py").is_file():
+            raise ValueError(f"{name}: no bench/run_system.py under {tree}; make the tree with bench/tree.sh REV "
+                             "(and carry it to the GPU machine)")
     return names
 
 
@@ -126,7 +142,7 @@ def timed_in_phases(system: str, phases: str) -> bool:
 def command(system: str, model: str, budget: float | None, args: argparse.Namespace) -> list[str]:
     """The ``bench.run_system`` command line of one run."""
     iters = args.iters if system.startswith("ours") or args.peer_iters is None else args.peer_iters
-    cmd = [sys.executable, "-m", "bench.run_system", "--system", system, "--model", model, "--iters",
+    cmd = [sys.executable, "-m", "bench.run_system", "--system", split_tree(system)[0], "--model", model, "--iters",
            str(iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
            str(args.seq), "--data-seed", str(args.data_seed)]
     cmd += ["--budget-gb", str(budget)] if budget is not None else []
@@ -138,15 +154,24 @@ def run_one(system: str, model: str, budget: float | None, args: argparse.Namesp
     """One system's run in a process of its own, killed after ``timeout`` seconds (default ``--timeout``)."""
     cmd = command(system, model, budget, args)
     env = {**os.environ, **NCCL_SAFE, "PYTHONUNBUFFERED": "1"}
+    tree = split_tree(system)[1]
+    if tree is not None:  # its library and bench first on the path; its own calibration cache
+        tree = tree.resolve()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), env.get("PYTHONPATH")) if p)
+        env["DOS_CACHE_DIR"] = str(Path(env.get("DOS_CACHE_DIR") or tree / ".cache") / f"tree-{tree.name}")
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or args.timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout or args.timeout, env=env,
+                              cwd=tree)
         row = parse_result(proc.stdout, proc.stderr, proc.returncode)
     except subprocess.TimeoutExpired as e:
         stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         row = parse_result(stdout, "", None)
     row.update(system=system, model=model, budget_gb=budget, wall_s=round(time.perf_counter() - t0, 1),
                date=time.strftime("%Y-%m-%d"), command=" ".join(cmd[1:]))
+    if tree is not None:
+        commit = tree / "COMMIT"
+        row.update(tree=commit.read_text().strip() if commit.is_file() else str(tree))
     return row
 
 

@@ -442,6 +442,33 @@ def test_suite_rounds_alternate_the_systems_and_mark_each_row(tmp_path, monkeypa
         suite.main(["--models", "tiny", "--systems", "ours_auto", "--rounds", "0", "--out", str(out)])
 
 
+def test_a_system_at_a_tree_runs_that_trees_library_and_bench_with_its_own_calibration_cache(tmp_path,
+                                                                                             monkeypatch):
+    """``NAME@DIR`` runs DIR's ``bench.run_system`` (and so its library) for NAME, as that tree names its systems,
+    with DIR first on the path and a calibration cache of its own; the row keeps the whole name and the tree's commit, so rounds pair it with
+    plain NAME; a DIR without a bench is refused before anything runs."""
+    tree = tmp_path / "old"
+    (tree / "bench").mkdir(parents=True)
+    (tree / "bench" / "__init__.py").write_text("")
+    (tree / "bench" / "run_system.py").write_text(
+        "import json, os, sys\n"
+        "print('RESULT ' + json.dumps({'status': 'ok', 'iter_s': 1.0, 'ran': sys.argv[sys.argv.index('--system') + 1],"
+        " 'here': os.getcwd(), 'cache': os.environ['DOS_CACHE_DIR'], 'first': sys.path[0]}))\n")
+    (tree / "COMMIT").write_text("0123abcd\n")
+    monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path / "cache"))
+    args = argparse.Namespace(iters=1, peer_iters=None, warmup=0, micro_batch=1, seq=8, data_seed=1000,
+                              phases="none", timeout=60)
+    row = suite.run_one(f"ours_auto@{tree}", "tiny", None, args)
+    assert row["status"] == "ok" and row["system"] == f"ours_auto@{tree}" and row["ran"] == "ours_auto"
+    assert Path(row["here"]) == tree.resolve() and Path(row["first"]).resolve() == tree.resolve()
+    assert row["cache"] == str(tmp_path / "cache" / "tree-old") and row["tree"] == "0123abcd"
+    with pytest.raises(ValueError, match="bench/tree.sh"):
+        suite.parse_systems(f"ours_auto@{tmp_path / 'missing'}")
+    with pytest.raises(ValueError, match="unknown systems"):
+        suite.parse_systems("no_such_system")
+    assert suite.parse_systems(f"ours_auto,ours_auto@{tree}") == ["ours_auto", f"ours_auto@{tree}"]
+
+
 def test_rounds_pair_each_system_with_the_first_in_the_same_round():
     """A round where everything ran slow moves both sides: the per-round ratio keeps the lever (B 10%
     faster in every round) where the medians of the two sides alone overlap."""
