@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import dist_estimate, host_load, report, rounds, run_system, suite, walls
+from bench import dist_estimate, host_load, rate_fit, report, rounds, run_system, suite, walls
 from bench.free_loop import PARTS, free_running
 from bench.systems import CLIP, REFERENCE
 from deep_optimizer_states.core import cpu_adamw
@@ -467,6 +467,30 @@ def test_a_system_at_a_tree_runs_that_trees_library_and_bench_with_its_own_calib
     with pytest.raises(ValueError, match="unknown systems"):
         suite.parse_systems("no_such_system")
     assert suite.parse_systems(f"ours_auto,ours_auto@{tree}") == ["ours_auto", f"ours_auto@{tree}"]
+
+
+def test_rate_fit_recovers_the_law_and_shows_a_slower_librarys_residual(tmp_path, capsys):
+    """``iteration = a + b / rate`` fitted over one date's runs; another date's run 0.02 s slower at its rate
+    shows that residual; rows of other systems, budgets and failures, and a row seen twice, are left out."""
+    def row(date, rate, iteration, **extra):
+        # 10 subgroups of 1e9 elements, none staged: rate = 10 / cpu_adam_s G elements/s
+        return {"system": rate_fit.SYSTEM, "model": "1.36b", "budget_gb": None, "status": "ok", "date": date,
+                "iter_s": iteration, "subgroups": 10, "params": 10e9, "wall_s": iteration * 100,
+                "history": [{"staged": 0, "cpu_adam_s": 10 / rate}], **extra}
+
+    base = [row("d1", r, 0.1 + 0.6 / r) for r in (2.0, 2.5, 3.0, 3.5)]
+    new = row("d2", 3.0, 0.1 + 0.6 / 3.0 + 0.02, host_load={"steal": 0.05})
+    noise = [row("d1", 3.0, 9.0, status="error"), row("d1", 3.0, 9.0, budget_gb=16.0),
+             row("d1", 3.0, 9.0, system="torchao_offload")]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [*base, base[0], new, *noise]) + "\n")
+    assert len(rate_fit.runs([path], rate_fit.SYSTEM, "1.36b")) == 5
+    a, b, sd = rate_fit.fit([(r, 0.1 + 0.6 / r) for r in (2.0, 2.5, 3.0, 3.5)])
+    assert a == pytest.approx(0.1) and b == pytest.approx(0.6) and sd == pytest.approx(0, abs=1e-12)
+    assert rate_fit.main([str(path), "--fit-dates", "d1", "--show-dates", "d2"]) == 0
+    assert "| d2 | 3.00 | 0.320 | 0.300 | +0.020 | 5.0% |" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="too few"):
+        rate_fit.fit([(3.0, 0.3), (3.0, 0.31)])
 
 
 def test_rounds_pair_each_system_with_the_first_in_the_same_round():
