@@ -12,9 +12,10 @@ the call's ``series``: runs of the same settings on one H200 moved 8-20% within 
 66-70), so a lever is judged by paired rounds (``python -m bench.rounds``), not by one run of each.
 
 ``NAME@DIR`` runs system NAME (as that tree's bench names it) with the library and bench of another commit's
-tree in DIR (``bench/tree.sh REV`` makes one under ``.ab/``), with a calibration cache of its own: in rounds beside plain NAME it tells
-whether a change between two commits moved the iteration, on one machine rather than across hosts that
-differ by more than the change (the CPU path's rate went 2.1-3.9 G elements/s between H200 hosts).
+tree in DIR (``bench/tree.sh REV`` makes one under ``.ab/``), with a calibration cache of its own: in rounds
+beside plain NAME it tells whether a change between two commits moved the iteration, on one machine rather
+than across hosts that differ by more than the change (the CPU path's rate went 2.1-3.9 G elements/s between
+H200 hosts).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def split_tree(system: str) -> tuple[str, Path | None]:
 
 def parse_systems(text: str) -> list[str]:
     names = sorted(SYSTEMS) if text == "all" else [s.strip() for s in text.split(",")]
-    unknown = [s for s in names if split_tree(s)[1] is None and s not in SYSTEMS]  # a tree's own bench checks its
+    unknown = [s for s in names if split_tree(s)[1] is None and s not in SYSTEMS]  # a tree's bench checks its own
     if unknown:
         raise ValueError(f"unknown systems {unknown}; choose from {', '.join(sorted(SYSTEMS))}")
     for name in names:
@@ -142,8 +143,8 @@ def timed_in_phases(system: str, phases: str) -> bool:
 def command(system: str, model: str, budget: float | None, args: argparse.Namespace) -> list[str]:
     """The ``bench.run_system`` command line of one run."""
     iters = args.iters if system.startswith("ours") or args.peer_iters is None else args.peer_iters
-    cmd = [sys.executable, "-m", "bench.run_system", "--system", split_tree(system)[0], "--model", model, "--iters",
-           str(iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
+    cmd = [sys.executable, "-m", "bench.run_system", "--system", split_tree(system)[0], "--model", model,
+           "--iters", str(iters), "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--seq",
            str(args.seq), "--data-seed", str(args.data_seed)]
     cmd += ["--budget-gb", str(budget)] if budget is not None else []
     return cmd + (["--no-phases"] if not timed_in_phases(system, args.phases) else [])

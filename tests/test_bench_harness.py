@@ -445,15 +445,16 @@ def test_suite_rounds_alternate_the_systems_and_mark_each_row(tmp_path, monkeypa
 def test_a_system_at_a_tree_runs_that_trees_library_and_bench_with_its_own_calibration_cache(tmp_path,
                                                                                              monkeypatch):
     """``NAME@DIR`` runs DIR's ``bench.run_system`` (and so its library) for NAME, as that tree names its systems,
-    with DIR first on the path and a calibration cache of its own; the row keeps the whole name and the tree's commit, so rounds pair it with
-    plain NAME; a DIR without a bench is refused before anything runs."""
+    with DIR first on the path and a calibration cache of its own; the row keeps the whole name and the tree's
+    commit, so rounds pair it with plain NAME; a DIR without a bench is refused before anything runs."""
     tree = tmp_path / "old"
     (tree / "bench").mkdir(parents=True)
     (tree / "bench" / "__init__.py").write_text("")
     (tree / "bench" / "run_system.py").write_text(
         "import json, os, sys\n"
-        "print('RESULT ' + json.dumps({'status': 'ok', 'iter_s': 1.0, 'ran': sys.argv[sys.argv.index('--system') + 1],"
-        " 'here': os.getcwd(), 'cache': os.environ['DOS_CACHE_DIR'], 'first': sys.path[0]}))\n")
+        "print('RESULT ' + json.dumps({'status': 'ok', 'iter_s': 1.0,"
+        " 'ran': sys.argv[sys.argv.index('--system') + 1], 'here': os.getcwd(),"
+        " 'cache': os.environ['DOS_CACHE_DIR'], 'first': sys.path[0]}))\n")
     (tree / "COMMIT").write_text("0123abcd\n")
     monkeypatch.setenv("DOS_CACHE_DIR", str(tmp_path / "cache"))
     args = argparse.Namespace(iters=1, peer_iters=None, warmup=0, micro_batch=1, seq=8, data_seed=1000,
