@@ -183,8 +183,6 @@ def make_model(cfg: Config) -> nn.Module:
     if cfg.frozen is not None:
         params = list(model.parameters())
         params[cfg.frozen % len(params)].requires_grad_(False)
-    if cfg.checkpointing == "reentrant":  # as transformers advises: a frozen embedding's output would leave the
-        model.enable_input_require_grads()  # reentrant segments without a gradient (transformers 4.57, seed 25442)
     return model
 
 

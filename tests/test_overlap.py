@@ -479,6 +479,18 @@ def _checkpointed(reentrant: bool):
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_layers_behind_a_frozen_embedding_still_get_their_gradients(reentrant):
+    """tools.models.checkpoint_activations: a reentrant segment whose inputs need no grad gives its params none
+    (transformers 4.57: the fuzz's seed 25442 raised in backward); the helper makes the inputs require grad."""
+    model = _checkpointed(reentrant)()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, output_hidden_states=True).hidden_states[1].float().pow(2).mean().backward()
+    layer = model.model.layers[0]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 def test_activation_checkpointing_with_overlap_and_streamed_gradients(slow_adam, reentrant):
     """Backward recomputes each layer's forward: its pre-hooks run again inside backward, and gradients
     land from inside the recompute; neither may change a bit."""

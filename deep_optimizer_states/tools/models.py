@@ -49,12 +49,15 @@ def checkpoint_activations(model: nn.Module, reentrant: bool = False) -> None:
     """Turn on a Hugging Face model's activation checkpointing (non-reentrant by default: the one streamed
     gradients allow), by the name transformers has: ``activation_checkpointing_enable`` where it exists
     (``gradient_checkpointing_enable`` is its deprecated alias there, to go in transformers 6), else the old
-    one (transformers 4 and earlier 5.x)."""
+    one (transformers 4 and earlier 5.x). Reentrant segments also get inputs that require grad, as transformers
+    advises: behind a frozen embedding they would otherwise give no gradient (transformers 4.57)."""
     kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if reentrant:
+        model.enable_input_require_grads()
 
 
 def checkpoints_activations(model: nn.Module) -> bool:
