@@ -1,8 +1,9 @@
 """From the suite's JSON lines: the markdown table, ours against each peer, the figures, the loss check.
 
-    python -m bench.report docs/benchmarks/results.jsonl
+    python -m bench.report docs/benchmarks/results.jsonl [--gpu "NVIDIA H100 80GB HBM3"]
 
-Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results, with
+One GPU's rows (``--gpu``, else the GPU with the most rows; the others are named and left out: the latest row
+of a cell must not mix an H100's run into an H200's table). Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results, with
 the hand-written notes.md from the same folder, when there is one, ahead of the tables.
 Exits non-zero, loudly, when our loss curve leaves the reference's (fused AdamW with our numerics, no offload)
 by more than rounding noise.
@@ -10,6 +11,8 @@ by more than rounding noise.
 
 from __future__ import annotations
 
+import argparse
+import collections
 import json
 import statistics
 import sys
@@ -24,14 +27,23 @@ from bench.systems import OURS, REFERENCE
 LOSS_TOLERANCE = 0.005
 
 
-def load(path: Path) -> list[dict]:
+def gpus(path: Path) -> collections.Counter:
+    """How many rows each GPU has (rows without one, from a CPU run, under None)."""
+    return collections.Counter(json.loads(line).get("gpu") for line in path.read_text().splitlines()
+                               if line.strip())
+
+
+def load(path: Path, gpu: str | None = None) -> list[dict]:
     """The latest row for each (model, budget, system), its iteration time by today's rule (``steady``); a
-    row of a ``bench.suite --rounds`` series stands for every round of its series (``over_rounds``)."""
+    row of a ``bench.suite --rounds`` series stands for every round of its series (``over_rounds``). With
+    ``gpu``: only that GPU's rows (and rows naming none)."""
     latest: dict[tuple, dict] = {}
     rounds: dict[tuple, list[dict]] = {}
     for number, line in enumerate(path.read_text().splitlines()):
         if line.strip():
             row = steady(json.loads(line))
+            if gpu is not None and row.get("gpu") not in (None, gpu):
+                continue
             row["line"] = number  # later lines are later runs
             key = (row["model"], row["budget_gb"], row["system"])
             latest[key] = row
@@ -288,8 +300,16 @@ def figures(rows: list[dict], folder: Path) -> list[Path]:
     return paths
 
 
-def write_report(results: Path, command: str) -> int:
-    rows = load(results)
+def write_report(results: Path, command: str, gpu: str | None = None) -> int:
+    """The report of ``gpu``'s rows (default: the GPU with the most rows); 1 when the loss check fails."""
+    counts = gpus(results)
+    named = {g: n for g, n in counts.items() if g is not None}
+    if gpu is None and named:
+        gpu = max(named, key=named.get)
+    elif gpu is not None and gpu not in named:
+        raise SystemExit(f"no row of GPU {gpu!r} in {results}; its GPUs: {sorted(named) or 'none'}")
+    others = {g: n for g, n in named.items() if g != gpu}
+    rows = load(results, gpu)
     failures = check_losses(rows)
     rows += by_footprint(rows)
     first = next((r for r in rows if r.get("gpu")), {})
@@ -303,6 +323,9 @@ def write_report(results: Path, command: str) -> int:
             "the walls alternate, as with `prefetch`, the loop runs at the mean); for a system run in rounds "
             "(`bench.suite --rounds`), the median of its rounds' medians and the mean of their means; forward, "
             "backward and step: measured in other iterations with a device synchronize around each phase.", "",
+            *([f"Rows of other GPUs left out: {', '.join(f'{g} ({n})' for g, n in sorted(others.items()))}; "
+               f"their report: `python -m bench.report {results.name} --gpu NAME` over a copy elsewhere (it "
+               "writes README.md beside its file).", ""] if others else []),
             *notes(results.parent),
             "## Ours against each peer", "", "Each peer's time divided by ours under the same model and budget "
             f"(above 1: ours is faster); ours is the latest run of {OURS} or a variant of it in that cell.", "",
@@ -321,5 +344,9 @@ def write_report(results: Path, command: str) -> int:
 
 
 if __name__ == "__main__":
-    path = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/benchmarks/results.jsonl")
-    sys.exit(write_report(path, "python -m bench.report " + str(path)))
+    parser = argparse.ArgumentParser(description="The benchmark report of one GPU's rows.")
+    parser.add_argument("results", nargs="?", default="docs/benchmarks/results.jsonl", type=Path)
+    parser.add_argument("--gpu", help="the GPU whose rows to report (default: the one with the most rows)")
+    args = parser.parse_args()
+    command = "python -m bench.report " + str(args.results) + (f" --gpu '{args.gpu}'" if args.gpu else "")
+    raise SystemExit(write_report(args.results, command, args.gpu))

@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = [(m, b, s) for m in args.models.split(",") for b in parse_budgets(args.budgets)
              for s in parse_systems(args.systems) if (m, b, s) not in finished]
     jobs = [(r, *cell) for r in range(1, args.rounds + 1) for cell in cells]
+    gpu = None
     for turn, model, budget, system in jobs:
         timeout = None
         if args.deadline is not None:
@@ -231,13 +232,15 @@ def main(argv: list[str] | None = None) -> int:
             row.update(round=turn, rounds=args.rounds, series=series)
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        gpu = row.get("gpu") or gpu
         print(f"{model:6} {str(budget or 'whole'):>5} {system:24} {row['status']:8} "
               f"iter {row.get('iter_s', '-')} s  step {row.get('step_s') or '-'} s", flush=True)
     if not out.exists():
         return 0
     from bench.report import write_report
 
-    return write_report(out, " ".join(["python -m bench.suite", *(argv if argv is not None else sys.argv[1:])]))
+    return write_report(out, " ".join(["python -m bench.suite", *(argv if argv is not None else sys.argv[1:])]),
+                        gpu)  # the report of the GPU run here, not of the file's most rows
 
 
 if __name__ == "__main__":

@@ -13,7 +13,8 @@ what the host gave the timed loop (``bench.host_load``: the hypervisor's steal, 
 preempted per second, the host copy's GB/s measured before the first step; each correlated with the
 iteration like the rate); what the timed loop started from (``carried_into_loop``); the loss's largest gap
 to the reference run of the same model and batch (``report.loss_gap``), found among the rows read and those
-of ``--references``.
+of ``--references``. For a clipped run (``clipped_steps`` in its row), a second table splits its walls: those
+of steps the clip scaled, and those of steps under the clip after two more under it (``clip_split``).
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
 That read is a copy to the host, and a direction of the link runs one copy at a time in the order enqueued:
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from bench.report import loss_gap, reference_of
 from bench.run_system import DATA_SEED
+from bench.systems import CLIP
 
 WAITED_S = 0.01  # a loss read of a finished forward takes ~0.1 ms; one queued behind flushes, 0.1 s
 STEPS = 12  # the steps of the timed iterations (the rows' history also holds the warm-up's)
@@ -216,11 +218,43 @@ def main(argv: list[str] | None = None) -> int:
                             ("backward's host seconds", backward)):
             if value is not None:
                 by_model.setdefault((row["model"], name), []).append((value, row["iter_s"]))
+    splits = [(path, row, clip_split(row)) for path, row in runs if row.get("status") == "ok"
+              and str(row.get("system")).startswith("ours")]
+    splits = [(path, row, split) for path, row, split in splits if split is not None]
+    if splits:
+        print(f"\n| file | system | model | iteration s | walls of steps the clip scaled (n, median s) "
+              f"| walls of steps under the clip, after two under it (n, median s) |\n" + "|---" * 6 + "|")
+        for path, row, split in splits:
+            print(f"| {path.parent.name}/{path.name} | {row['system']} | {row['model']} | {row['iter_s']:.3f} | "
+                  f"{_walls(split['clipped'])} | {_walls(split['steady'])} |")
     for (model, name), pairs in by_model.items():
         _print_correlation(f"{model}: {name} against the iteration", pairs)
     for model, pairs in fills.items():
         _print_correlation(f"{model}: the subgroups filled during backward against backward's host seconds", pairs)
     return 0
+
+
+def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
+    """A clipped run's timed walls split by what the clip did, None for a run without ``clipped_steps``.
+
+    ``clipped``: walls of steps whose norm the clip scaled (their CPU path waits for the global norm: no
+    update runs ahead of it); ``steady``: walls of steps under the clip whose two steps before were under it
+    too (the update of the step before ran ahead, and so did this one's: ``speculate`` is off for the step
+    after one that clipped); the rest, between, counted in neither. The walls are the last of the steps the
+    norms were recorded for (warm-up first). A memorised batch's norm falls under 1.0 after about 8 steps:
+    a loop timed from the third step times 5 that clip (rows run without phases, from 2026-12-04)."""
+    norms, walls = row.get("grad_norms"), row.get("iter_walls_s")
+    if "clipped_steps" not in row or not norms or not walls or len(norms) < len(walls):
+        return None
+    first = len(norms) - len(walls)
+    scaled = [n is not None and n + 1e-6 > max_norm for n in norms]
+    clipped = [w for j, w in enumerate(walls) if scaled[first + j]]
+    steady = [w for j, w in enumerate(walls) if first + j >= 2 and not any(scaled[first + j - 2: first + j + 1])]
+    return {"clipped": clipped, "steady": steady}
+
+
+def _walls(walls: list[float]) -> str:
+    return f"{len(walls)}, {statistics.median(walls):.3f}" if walls else "0, -"
 
 
 def _print_correlation(label: str, pairs: list[tuple[float, float]]) -> None:

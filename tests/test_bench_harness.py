@@ -135,6 +135,27 @@ def test_report_writes_markdown_figures_and_fails_loudly(tmp_path):
     assert "FAILED" in (tmp_path / "README.md").read_text()
 
 
+def test_report_keeps_one_gpus_rows_and_names_the_others(tmp_path):
+    """A file holding an H100 call beside H200 calls: each cell's latest row would be the H100's under the
+    H200's name. The report takes the GPU with the most rows (or ``gpu``), names the others it left out, and
+    refuses a GPU the file does not hold."""
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+    rows = [_row(REFERENCE, gpu=h200), _row("ours_auto", iter_s=0.45, gpu=h200),
+            _row("ours_auto", iter_s=0.65, gpu=h100)]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [r["iter_s"] for r in report.load(results) if r["system"] == "ours_auto"] == [0.65]
+    assert report.write_report(results, "python -m bench.report") == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert f"Machine: {h200}," in readme and f"Rows of other GPUs left out: {h100} (1)" in readme
+    assert "| 0.450 |" in readme and "| 0.650 |" not in readme
+    assert report.write_report(results, "python -m bench.report --gpu", h100) == 0
+    readme = (tmp_path / "README.md").read_text()
+    assert f"Machine: {h100}," in readme and "| 0.650 |" in readme and "| 0.450 |" not in readme
+    with pytest.raises(SystemExit, match="no row of GPU 'NVIDIA A100'"):
+        report.write_report(results, "python -m bench.report", "NVIDIA A100")
+
+
 def test_report_takes_a_run_without_phases(tmp_path):
     """A row of ours run without phases (``--no-phases``) has no step time: the ratios give the iteration's
     alone for it, and the report still writes."""
@@ -569,6 +590,27 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
     assert "ours_a" not in capsys.readouterr().out
     walls.main(["--distinct", str(results), str(results)])
     assert capsys.readouterr().out.count("| ours_b |") == 1
+
+
+def test_walls_split_a_clipped_runs_walls_by_what_the_clip_did(tmp_path, capsys):
+    """Norms over the clip in the first timed steps: their walls are the clip's; walls of steps under it after
+    two more under it are the steady ones; the two between count in neither; a run without a clip has no
+    split and no table."""
+    norms = [7.0, 6.0, 9.0, 3.0, 2.0, 0.9, 0.5, 0.4, 0.3, 0.2]  # 3 warm-up steps, then 7 timed
+    walls_s = [0.40, 0.41, 0.35, 0.34, 0.30, 0.29, 0.31]
+    row = _row("ours_clip", iter_walls_s=walls_s, grad_norms=norms, clipped_steps=5,
+               walls_split_s=[{"forward": 0.1, "backward": 0.1, "step": 0.02, "loss_read": 0.0}] * 7)
+    assert walls.clip_split(row) == {"clipped": [0.40, 0.41], "steady": [0.30, 0.29, 0.31]}
+    assert walls.clip_split({**row, "grad_norms": [0.5] * 10})["steady"] == walls_s  # never scaled
+    plain = {k: v for k, v in row.items() if k != "clipped_steps"}
+    assert walls.clip_split(plain) is None
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(row) + "\n")
+    walls.main([str(results)])
+    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 3, 0.300 |" in capsys.readouterr().out
+    results.write_text(json.dumps(plain) + "\n")
+    walls.main([str(results)])
+    assert "walls of steps the clip scaled" not in capsys.readouterr().out
 
 
 def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, capsys):
