@@ -70,6 +70,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          fill_cap: float | None = None,
          fills_within_backward: bool | None = None,
          flush_ahead_last: bool | None = None,
+         sit_out: bool | None = None,
          kernel_defines: tuple[str, ...] = (),
          allocator: str | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
@@ -90,6 +91,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     backward's span of final gradients, where shorter than the rest, bounds the fills);
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
+    ``sit_out``: ``optimizer.SIT_OUT_AFTER_CLIP`` for this process (False: updates run ahead on the step after
+    one that clipped too, standing down where the norm landed passes the clip's);
     ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
     (variant) as the library's; ``allocator``: torch's CUDA allocator settings for this process, in
     ``PYTORCH_CUDA_ALLOC_CONF``'s form (set before the model is built; no effect without a GPU)."""
@@ -102,6 +105,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             plan_module.FILLS_WITHIN_BACKWARD = fills_within_backward
         if flush_ahead_last is not None:
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
+        if sit_out is not None:
+            optimizer_module.SIT_OUT_AFTER_CLIP = sit_out
         if allocator is not None and device.type == "cuda":
             torch.cuda.memory._set_allocator_settings(allocator)
         model = llama(preset, torch.bfloat16, device)
@@ -172,7 +177,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             info["grad_norms"] = [None if n is None else round(n, 4) for n in info["grad_norms"]]
             if opt.speculation is not None:
                 spec = opt.speculation
-                info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off}
+                info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off,
+                                     "stood_down": spec.stood_down}
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
                 # what the last plan was priced with: to compare with the update's telemetry after the run
@@ -202,6 +208,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + ("slots filled ahead released at their flush, " if prefetch == "release" else "")
                        + "".join(f"the bf16 kernel {cpu_adamw.KERNEL_DEFINES[d]}, " for d in kernel_defines)
                        + (f"CUDA allocator {allocator}, " if allocator else "")
+                       + ("updates run ahead after a clipped step too, " if optimizer_module.SIT_OUT_AFTER_CLIP is False
+                          else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -397,6 +405,12 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_spec_prefetch_bf16_bwdfills": defaults(fills_within_backward=True),
     "ours_offload_overlap_clip_spec_prefetch_bf16_bwdfills": defaults(clip=True, fills_within_backward=True),
     "ours_offload_overlap_spec_prefetch_bf16_restfills": defaults(fills_within_backward=False),
+    # clipped, with updates run ahead on the step after a clipped one too (optimizer.SIT_OUT_AFTER_CLIP off):
+    # since the updates ahead stand down once the norm landed passes the clip's, a step that clips costs those
+    # that started before; the default sits such steps out. The timed loop from the third step has 5 steps the
+    # clip scales (norms over 1.0 for the first 8) and 2 after them that the default runs nothing ahead in
+    # (overlap.md calls 159-162); bench.walls splits the walls
+    "ours_offload_overlap_clip_spec_prefetch_bf16_nositout": defaults(clip=True, sit_out=False),
     # the defaults with the model's activation checkpointing (transformers' non-reentrant one), for budgets below
     # what forward and backward need without it: at a 16 GB budget (DeepSpeed ZeRO-3 offload's peak at 1.36B is
     # 14.7 GB) the defaults ran out of memory at 1.36B (H200 call 150), the need they learnt at the whole device

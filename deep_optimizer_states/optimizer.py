@@ -43,6 +43,11 @@ class _TorchDefault:
 
 
 TORCH_DEFAULT: Any = _TorchDefault()
+# After a step whose updates run ahead were undone (a clip or a loss scale applied), the next step runs none
+# ahead: under a clip that lasts, each would be copied aside and back for nothing. Since updates ahead stand down
+# once the norm landed passes the clip's (speculate.py), what that costs is fewer of them; False (bench
+# systems `_nositout`): run them ahead on every unscaled step, to measure against this default.
+SIT_OUT_AFTER_CLIP = True
 MIN_LOSS_SCALE = 1.0  # below it fp16 gradients overflow even unscaled: halving cannot help (DeepSpeed's floor)
 
 
@@ -201,10 +206,12 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             self.grad_stream.after_grad = _weak(self._fill_ahead)
         self.speculation: Speculation | None = None
         self._speculating = True  # off for the step after one whose gradients were clipped (undone)
+        self._clip_seen = max_grad_norm  # the clip an update run ahead expects: max_grad_norm, or clip_grad_norm_'s
         if speculate:
             self.speculation = Speculation(speculate, largest, local_ranks(), self.engine,
                                            LAUNCH_SHARE if self.device.type == "cuda" else 0.0)
             self.grad_stream.after_send = _weak(self._run_ahead)
+            self.grad_stream.partial = max_grad_norm is not None  # the norm so far, for the run-ahead's stand-down
         self._hook = None
         self._ran: list[Placement] = []  # the placements the newest update ran (what the planner learns from)
         self._ran_as_planned = True  # ... and they were the plan in force during its backward
@@ -431,7 +438,11 @@ class DeepOptimizerStates(torch.optim.Optimizer):
             return  # step() says what is wrong
         job = Job(sg, Placement.CPU, AdamHyper.from_group(group, self.adamw),
                   runs=sg.runs([True] * len(sg.bucket.params)))
-        self.speculation.start(job, self.grad_stream.landed[sg.index], after)
+        over = None
+        if self._clip_seen is not None and self.scaler is None:  # (with a loss scale no update ahead is kept)
+            stream, limit = self.grad_stream, self._clip_seen ** 2
+            over = lambda: stream.partial_sq(sg.index) > limit  # noqa: E731  the clip will scale this step
+        self.speculation.start(job, self.grad_stream.landed[sg.index], after, over)
 
     def _undo_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:
         """Put back the states before of the subgroups whose update ran ahead (of ``subgroups``, else all)."""
@@ -531,6 +542,9 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._norm_cache = self._total_norm()
         self._norm_of = self._grad_marks()
         self._clip_once = float(max_norm)
+        if self.speculation is not None and self.max_grad_norm is None:  # the next backward's run-ahead expects it
+            self._clip_seen = self._clip_once
+            self.grad_stream.partial = True
         return self._norm_cache / self.scaler.scale if self.scaler is not None else self._norm_cache
 
     @torch.no_grad()
@@ -613,7 +627,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         self._had_grad = {j.subgroup.index for j in jobs}
         if self.speculation is not None:
             jobs = self.speculation.settle(jobs, keep=unscaled)
-            self._speculating = unscaled
+            self._speculating = unscaled or (not SIT_OUT_AFTER_CLIP and self.scaler is None)
         ahead = self.prefetch.take() if self.prefetch is not None else None
         if self.overlapper is not None:
             self._start_update(jobs, multipliers, max(slots, 1), landed, has_grad, ahead)

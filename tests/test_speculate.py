@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states import optimizer as optimizer_module
+from deep_optimizer_states.core import speculate as speculate_module
 from tests.harness import loss_of, mlp, tiny_llama
 
 
@@ -99,6 +101,52 @@ def test_clipping_undoes_the_update_run_ahead_and_pauses_speculation_for_one_ste
     # step 1 clips: undone; step 2 runs nothing ahead (the last step clipped); step 3 runs ahead again
     assert ahead == [n, n, 0, n, n]
     assert kept == [n, n, n, 2 * n, 2 * n] and undone == [0, n, n, n, 2 * n]
+
+
+@pytest.mark.parametrize("sit_out", [True, False], ids=["sit_out", "every_step"])
+@pytest.mark.parametrize("max_norm", [1e-3, 1.6], ids=["all_over", "some_over"])
+def test_updates_run_ahead_stand_down_once_the_norm_landed_passes_the_clip(monkeypatch, sit_out, max_norm):
+    """Gradients land last layers first, each subgroup's with the norm measured so far: an update run ahead
+    after that norm passed ``max_grad_norm`` stands down before its copy aside (the step will clip it), one
+    before it runs and is undone. Either way each step equals the plain one bit for bit. ``SIT_OUT_AFTER_CLIP``
+    off: updates run ahead on the steps after a clip too, and stand down there."""
+    monkeypatch.setattr(optimizer_module, "SIT_OUT_AFTER_CLIP", sit_out)
+    (m1, o1), (m2, o2) = _pair(tiny_llama(), schedule="cpu", subgroup_size=8000, lr=1e-2, max_grad_norm=max_norm)
+    gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
+    n = len(o1.layout.subgroups)
+    for step in range(3):
+        before = o1.speculation.undone, o1.speculation.stood_down
+        _backward([(m1, o1), (m2, o2)], gens)
+        ahead = sorted(o1.speculation._ahead)
+        over = [i for i in ahead if o1.grad_stream.partial_sq(i) > max_norm ** 2]
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+        assert o1.last_grad_norm > max_norm, "every step clips"
+        undone, stood = o1.speculation.undone - before[0], o1.speculation.stood_down - before[1]
+        if step > 0 and sit_out:
+            assert ahead == [] and undone == stood == 0, "a step after a clip runs nothing ahead"
+            continue
+        assert len(ahead) == n and stood == len(over) and undone == n - len(over)
+        assert (undone == 0) if max_norm == 1e-3 else (undone > 0 and stood > 0)
+    assert o1.speculation.kept == 0
+
+
+def test_a_kept_update_whose_run_ahead_stood_down_is_updated_by_the_step(monkeypatch):
+    """Should ``step()`` keep an update whose run-ahead stood down (on a GPU it may not have ended when the step
+    settles), the engine updates that subgroup itself: no step is lost. Forced here: a clip expected at a
+    tiny norm (the run-aheads stand down), none applied (the step keeps them), the stand-down not seen."""
+    monkeypatch.setattr(speculate_module, "_stood_down", lambda done: False)
+    (m1, o1), (m2, o2) = _pair(tiny_llama(), schedule="cpu", subgroup_size=8000, lr=1e-2)
+    o1._clip_seen, o1.grad_stream.partial = 1e-9, True
+    gens = torch.Generator().manual_seed(2), torch.Generator().manual_seed(2)
+    for step in range(3):
+        _backward([(m1, o1), (m2, o2)], gens)
+        assert len(o1.speculation) == len(o1.layout.subgroups)
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+    assert o1.speculation.kept == 3 * len(o1.layout.subgroups) and o1.speculation.undone == 0
 
 
 def test_an_injected_nan_skips_the_step_and_puts_the_states_back():

@@ -449,9 +449,9 @@ class Engine:
     def _update_on_cpu(self, job: Job, index: int, feed: "_GradFeed", scratch, on_host: list) -> None:
         sg = job.subgroup
         feed.landed(index).synchronize()
-        if job.ran_ahead is not None:
-            job.ran_ahead.result()  # queued on this worker before the update: ended, or raises its error
-        else:
+        # queued on this worker before the update: it has ended (or raises its error); False: it stood down
+        # (speculate.py: the clip's norm passed first), so the update runs here as for any other subgroup
+        if job.ran_ahead is None or job.ran_ahead.result() is False:
             t0 = time.perf_counter()
             if sg.index in feed.bf16:
                 bf16_update(self.bf16_kernel, job, [float(m) for m in on_host])

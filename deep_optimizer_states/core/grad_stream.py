@@ -11,7 +11,9 @@ over the gradients final since the last batch, as a subgroup goes down and as ba
 gradient would cost backward's launching thread three kernel launches each), so the global norm (clipping,
 the inf/nan check) is ready when backward ends; the clip and unscale factors are applied to the landed fp32
 gradients on the host, the same IEEE multiplies the GPU path does. Staged and resident subgroups keep
-their gradients on the GPU.
+their gradients on the GPU. With ``partial`` the norms' running sum of squares goes down beside each
+subgroup's gradients (``partial_sq``): a lower bound of the global norm's square by the time they land, which
+tells an update run ahead (``speculate``) that a clip will scale this step before backward ends.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class GradStream:
         for i in self._ids:  # the newest optimizer of a param streams it: a dropped one not yet collected
             _OWNER[i] = self._ref  # would otherwise take its gradients
         weakref.finalize(self, _remove, list(self._handles), self._ids, self._ref)
+        self._sumsq: torch.Tensor | None = None  # with ``partial``: this step's measured norms' sum of squares
+        self._partial_host: torch.Tensor | None = None  # per subgroup: that sum as its gradients went down
         self.reset()
 
     def end_step(self) -> None:
@@ -77,6 +81,8 @@ class GradStream:
         self._measure_queued = False  # the end of this backward will take the norms left
         self.taken: dict[int, torch.dtype] = {}  # id(param) -> its gradient's dtype, given back as its subgroups went
         self._buffer = None
+        if self._sumsq is not None:
+            self._sumsq.zero_()
         self.first_final_at: float | None = None  # host clock (perf_counter) at this step's first final gradient
         self.last_final_at: float | None = None  # ... and at its latest
 
@@ -167,7 +173,31 @@ class GradStream:
         params = [p for p in self._unmeasured if p.grad is not None]
         self._unmeasured = []
         if params:
-            self.norms.update(zip(map(id, params), norms_fp32([local(p.grad) for p in params])))
+            norms = norms_fp32([local(p.grad) for p in params])
+            self.norms.update(zip(map(id, params), norms))
+            if self.partial:
+                if self._sumsq is None:
+                    self._sumsq = torch.zeros((), dtype=torch.float32, device=norms[0].device)
+                self._sumsq.add_(torch.stack(norms).square().sum())
+
+    @property
+    def partial(self) -> bool:
+        """Whether each subgroup's gradients go down with the norms' running sum of squares (``partial_sq``)."""
+        return self._partial_host is not None
+
+    @partial.setter
+    def partial(self, on: bool) -> None:
+        if on and self._partial_host is None:
+            self._partial_host = torch.zeros(max(self._pieces, default=-1) + 1, dtype=torch.float32,
+                                             pin_memory=self.device.type == "cuda")
+        elif not on:
+            self._partial_host = None
+
+    def partial_sq(self, index: int) -> float:
+        """The square of the norm of the gradients measured by the time subgroup ``index``'s went down (read
+        once they have landed): at most the global norm's square (the sum runs in place on the device, so a
+        later copy may count more of this step's norms, never another step's); 0.0 without ``partial``."""
+        return 0.0 if self._partial_host is None else float(self._partial_host[index])
 
     def _give_back(self, p: torch.Tensor) -> None:
         """Free ``p``'s gradient once it is final and every subgroup holding it has gone down."""
@@ -186,6 +216,7 @@ class GradStream:
         dst = sg.bf16_halves()[0] if bf16 else sg.grad32
         if self.stream is None:
             sg.gather_grads(dst)
+            self._send_partial(sg)
             self.landed[sg.index] = None
             self.sent += 1
             return
@@ -197,7 +228,16 @@ class GradStream:
             work = (self._buffer.view(torch.bfloat16) if bf16 else self._buffer)[: sg.numel]
             sg.gather_grads(work)
             dst.copy_(work, non_blocking=True)
+            self._send_partial(sg, non_blocking=True)
             self.landed[sg.index] = self.stream.record_event()
+
+    def _send_partial(self, sg: Subgroup, non_blocking: bool = False) -> None:
+        """With ``partial``: the norms' running sum of squares into ``sg``'s host slot, beside its gradients."""
+        if self._partial_host is not None:
+            if self._sumsq is None:
+                self._partial_host[sg.index] = 0.0
+            else:
+                self._partial_host[sg.index].copy_(self._sumsq, non_blocking=non_blocking)
         self.sent += 1
 
     def edited(self) -> str | None:

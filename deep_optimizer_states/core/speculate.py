@@ -8,7 +8,10 @@ exp_avg_sq are copied into a spare host buffer, then updated in place with the h
 counts of that moment, by the same call the update makes (``Job.adam``). ``step()`` keeps the result when
 nothing it decides differs (the step is not skipped, every gradient multiplier is exactly 1, the same
 hyper-parameters and spans), and otherwise copies the spare back, bit for bit the states before, and the
-update takes the subgroup the usual way. Whatever reads or writes the host states in between
+update takes the subgroup the usual way. A subgroup whose gradients landed after the norm measured so far
+already passed the clip's (``over``) stands down before its copy aside: that step will scale its gradients,
+and the update takes it the usual way (``step()`` then never keeps it; should it have, the engine updates it
+the usual way too). Whatever reads or writes the host states in between
 (``opt.state``, ``state_dict``, a weight edit, ``zero_grad``) undoes first. The cost: the copy aside through
 host memory, at a time when host memory idles: 24 B per element more with torch's kernel (a copy pass), 12 B
 with the bf16 kernel (``bf16_cpu_path``), which writes the copy in its own pass over states it reads anyway;
@@ -21,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -65,18 +68,19 @@ class Speculation:
         self.kept = 0  # subgroups whose update ran ahead and was kept, since the optimizer was built
         self.undone = 0  # ... and was undone
         self.called_off = 0  # ... was called off before it started
+        self.stood_down = 0  # ... stood down, the norm of the gradients landed before it over the clip's
 
     def __len__(self) -> int:
         return len(self._ahead)
 
-    def start(self, job: Job, landed: object, after: object = None) -> bool:
+    def start(self, job: Job, landed: object, after: object = None, over: Callable[[], bool] | None = None) -> bool:
         """Update ``job``'s subgroup ahead once its gradients have landed (``landed``: their event or None)
-        and its host states are final (``after``: the last update's flush of it, an event, or None);
-        False when no spare is free."""
+        and its host states are final (``after``: the last update's flush of it, an event, or None), unless
+        ``over()`` says then that the step's clip will scale its gradients; False when no spare is free."""
         if not self._free or job.subgroup.index in self._ahead:
             return False
         ahead = self._ahead[job.subgroup.index] = _Ahead(job, self._free.pop())
-        ahead.done = self._engine.on_cpu(_run_ahead, ahead, (landed, after), self._launch_share, self._engine)
+        ahead.done = self._engine.on_cpu(_run_ahead, ahead, (landed, after), self._launch_share, self._engine, over)
         return True
 
     def settle(self, jobs: list[Job], keep: bool) -> list[Job]:
@@ -89,7 +93,7 @@ class Speculation:
         for job in jobs:
             ahead = self._ahead.get(job.subgroup.index)
             if (keep and ahead is not None and ahead.job.hyper == job.hyper and ahead.job.spans() == job.spans()
-                    and not ahead.done.cancel() and not _failed(ahead.done)):
+                    and not ahead.done.cancel() and not _failed(ahead.done) and not _stood_down(ahead.done)):
                 self._release(job.subgroup.index)  # its spare is written before anything queued after it runs
                 self.kept += 1
                 job = dataclasses.replace(job, ran_ahead=ahead.done)
@@ -114,6 +118,8 @@ class Speculation:
                     for dst, src in zip((sg.master, sg.exp_avg, sg.exp_avg_sq), ahead.spare[:, : ahead.copied]):
                         dst[: ahead.copied].copy_(src)
                 self.undone += 1
+            elif _stood_down(ahead.done):
+                self.stood_down += 1
             else:
                 self.called_off += 1
             self._release(i)
@@ -127,15 +133,26 @@ def _failed(done: Future) -> bool:
     return done.done() and done.exception() is not None
 
 
+def _stood_down(done: Future | None) -> bool:
+    """Whether the task ended without updating (``over``); one still running is not known yet: the engine,
+    which waits for it, updates the subgroup itself if it did."""
+    return done is not None and done.done() and not done.cancelled() and done.exception() is None \
+        and done.result() is False
+
+
 @torch.no_grad()  # runs on the engine's CPU worker, where the caller's no_grad does not reach
-def _run_ahead(ahead: _Ahead, events: tuple, launch_share: float, engine: Engine) -> None:
+def _run_ahead(ahead: _Ahead, events: tuple, launch_share: float, engine: Engine,
+               over: Callable[[], bool] | None = None) -> bool:
     """After ``events`` (each None or an event to synchronize with), on ``launch_share`` of the CPU path's
     threads fewer (at least one fewer, at least one left): backward launches its kernels from a thread that
-    must find a core (elementwise work: the results do not depend on the thread count)."""
+    must find a core (elementwise work: the results do not depend on the thread count). False, touching
+    nothing, where ``over()`` says the clip will scale this step's gradients."""
     sg = ahead.job.subgroup
     for event in events:
         if event is not None:
             event.synchronize()
+    if over is not None and over():
+        return False
     threads = torch.get_num_threads()
     fewer = max(1, threads - max(1, round(threads * launch_share))) if launch_share else threads
     if fewer != threads:
@@ -153,3 +170,4 @@ def _run_ahead(ahead: _Ahead, events: tuple, launch_share: float, engine: Engine
     finally:
         if fewer != threads:
             torch.set_num_threads(threads)
+    return True

@@ -146,25 +146,34 @@ def test_the_plan_learns_the_overlapped_iteration_on_real_streams():
 
 @pytest.mark.parametrize("schedule", ["cpu", 3], ids=str)
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-@pytest.mark.parametrize("clip", [None, 1e-6], ids=["kept", "clipped"])
+@pytest.mark.parametrize("clip", [None, 1e-6, "expected"], ids=["kept", "clipped", "stood_down"])
 def test_updates_run_ahead_during_backward_change_no_bit(schedule, overlap, clip):
     """speculate=True on real streams: the CPU subgroups' AdamW runs on the worker while backward goes on
-    (after each one's gradients landed on the side stream), kept when nothing clips (``kept``) and undone
-    when everything does (``clipped``: undone at the first step, then paused while every step clips); bit
-    for bit the run that neither streams nor runs ahead. Those not started when backward ends are called
-    off: how many are kept depends on timing."""
+    (after each one's gradients landed on the side stream), kept when nothing clips (``kept``); when everything
+    does (``clipped``) each stands down, the norm landed before it over the clip's, at the first step (or is
+    undone, had it started first), then none runs while every step clips; a clip expected at a tiny norm and
+    never applied (``stood_down``): each stands down, and the step updates those it keeps itself (on real
+    streams one may not have ended when the step settles). Bit for bit the run that neither streams nor runs
+    ahead. Those not started when backward ends are called off: how many are kept depends on timing."""
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"seed {seed}")
     model = _stack(seed)
     twin = copy.deepcopy(model)
-    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=clip, schedule=schedule)
+    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=None if clip == "expected" else clip,
+                  schedule=schedule)
     ours = DeepOptimizerStates(model, overlap=overlap, stream_grads=True, speculate=True, **kwargs)
+    if clip == "expected":
+        ours._clip_seen, ours.grad_stream.partial = 1e-9, True
     ref = DeepOptimizerStates(twin, **kwargs)
     _same_run(model, ours, twin, ref, seed, "losses differ")
     cpu = ours.placements.count(C)
     spec = ours.speculation
-    print(f"kept {spec.kept}, undone {spec.undone}, called off {spec.called_off} of {cpu} CPU subgroups x 6 steps")
+    print(f"kept {spec.kept}, undone {spec.undone}, stood down {spec.stood_down}, called off {spec.called_off} "
+          f"of {cpu} CPU subgroups x 6 steps")
     if clip is None:
-        assert spec.undone == 0 and 0 < spec.kept and spec.kept + spec.called_off <= 6 * cpu
+        assert spec.undone == spec.stood_down == 0 and 0 < spec.kept and spec.kept + spec.called_off <= 6 * cpu
+    elif clip == "expected":
+        assert spec.undone == 0 and spec.stood_down + spec.kept > 0
     else:
-        assert spec.kept == 0 and spec.undone + spec.called_off <= cpu and spec.undone > 0
+        assert spec.kept == 0 and spec.undone + spec.stood_down + spec.called_off <= cpu
+        assert spec.undone + spec.stood_down > 0
