@@ -230,6 +230,7 @@ class GradStream:
             dst.copy_(work, non_blocking=True)
             self._send_partial(sg, non_blocking=True)
             self.landed[sg.index] = self.stream.record_event()
+        self.sent += 1
 
     def _send_partial(self, sg: Subgroup, non_blocking: bool = False) -> None:
         """With ``partial``: the norms' running sum of squares into ``sg``'s host slot, beside its gradients."""
@@ -238,7 +239,6 @@ class GradStream:
                 self._partial_host[sg.index] = 0.0
             else:
                 self._partial_host[sg.index].copy_(self._sumsq, non_blocking=non_blocking)
-        self.sent += 1
 
     def edited(self) -> str | None:
         """Which gradient, if any, was changed in place after backward once some went down this step: the
