@@ -134,3 +134,11 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], e
             assert torch.equal(a[n], b[n]), f"{n}: max diff {(a[n] - b[n]).abs().max().item():.3e}"
         else:
             torch.testing.assert_close(a[n], b[n], rtol=rtol, atol=rtol * 1e-2, msg=lambda m: f"{n}: {m}")
+
+
+def without_stand_down(monkeypatch) -> None:
+    """Updates run ahead (``speculate``) never stand down: the norm landed before each reads 0, so a step that
+    clips undoes them, the path taken where the norm passes the clip only after they started."""
+    from deep_optimizer_states.core.grad_stream import GradStream
+
+    monkeypatch.setattr(GradStream, "partial_sq", lambda self, index: 0.0)

@@ -5,7 +5,7 @@ import torch
 
 from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core import cpu_adamw
-from tests.harness import mlp, needs_compiler, tiny_llama, train_and_compare
+from tests.harness import mlp, needs_compiler, tiny_llama, train_and_compare, without_stand_down
 
 pytestmark = needs_compiler
 
@@ -90,11 +90,12 @@ def test_a_bad_setting_is_refused():
 
 @pytest.mark.parametrize("clip", [None, 0.05])
 @pytest.mark.parametrize("mode", ["stream", "stream+overlap", "stream+speculate"])
-def test_streamed_gradients_land_in_bf16_and_give_the_fp32_paths_results(mode, clip):
+def test_streamed_gradients_land_in_bf16_and_give_the_fp32_paths_results(mode, clip, monkeypatch):
     """With stream_grads the CPU path's gradients go down in bf16 during backward (their norms taken on the
     GPU as before), the clip factor is applied in the kernel instead of a pass over fp32 gradients, and an
     update run ahead (speculate) takes the kernel too: every step equals the default path's, bit for bit."""
     kwargs = {"stream_grads": True, "overlap": "overlap" in mode, "speculate": "speculate" in mode}
+    without_stand_down(monkeypatch)  # clipped: the kernel's updates ahead run, then are undone
     models = {lean: tiny_llama(torch.bfloat16, seed=5) for lean in (False, True)}
     size = sum(p.numel() for p in models[False].parameters()) // 10
     opts = {lean: DeepOptimizerStates(models[lean], lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, subgroup_size=size,
@@ -118,7 +119,7 @@ def test_streamed_gradients_land_in_bf16_and_give_the_fp32_paths_results(mode, c
         assert opts[True].speculation.undone > 0  # ... and was undone from what it kept aside in its pass
 
 
-def test_updates_run_ahead_in_several_spans_are_kept_or_undone_bit_for_bit():
+def test_updates_run_ahead_in_several_spans_are_kept_or_undone_bit_for_bit(monkeypatch):
     """The kernel keeps aside the spans it updates, one call each; a param that missed a step has another
     step count, so its span is a call of its own. Steps whose loss is scaled up clip, and their update run
     ahead is undone: the whole subgroup must come back as it was; the others are kept."""
@@ -126,6 +127,7 @@ def test_updates_run_ahead_in_several_spans_are_kept_or_undone_bit_for_bit():
         torch.manual_seed(3)
         return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Linear(40, 40), torch.nn.Linear(40, 8)).bfloat16()
 
+    without_stand_down(monkeypatch)  # the steps that clip undo what the kernel kept aside
     models = [make(), make()]
     opts = [DeepOptimizerStates(m, lr=1e-2, weight_decay=0.1, schedule="cpu", subgroup_size=10_000,
                                 max_grad_norm=1.0, bf16_cpu_path=True, stream_grads=True, speculate=spec)

@@ -22,7 +22,7 @@ from deep_optimizer_states.core.slots import SLOT_BYTES_PER_ELEMENT as SLOT_BYTE
 from deep_optimizer_states.planning import budget as budget_module
 from deep_optimizer_states.planning.budget import MemoryBudget
 from deep_optimizer_states.planning.plan import Planner
-from tests.harness import loss_of, mlp, needs_compiler, tiny_llama
+from tests.harness import loss_of, mlp, needs_compiler, tiny_llama, without_stand_down
 from tests.test_perfmodel import H200_LIKE
 from tests.test_residency import FakeProbe
 
@@ -74,9 +74,11 @@ def _assert_same(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
                                     pytest.param({"speculate": True, "bf16_cpu_path": True, "max_grad_norm": 0.5},
                                                  marks=needs_compiler)],
                          ids=["mixed", "clipped", "all-staged", "speculate", "speculate+bf16+clipped"])
-def test_states_filled_ahead_give_the_same_result_bit_for_bit(overlap, kwargs):
+def test_states_filled_ahead_give_the_same_result_bit_for_bit(overlap, kwargs, monkeypatch):
     """Also beside the CPU path's update run ahead (``speculate``, with the bf16 CPU path): both during
-    backward, the staged subgroups' states in, the CPU subgroups' AdamW on the worker."""
+    backward, the staged subgroups' states in, the CPU subgroups' AdamW on the worker (clipped: run, then
+    undone, rather than standing down before they start)."""
+    without_stand_down(monkeypatch)
     runs = []
     for prefetch in (False, True):
         model, opt = _build(prefetch, "llama", overlap=overlap, **kwargs)
