@@ -3,8 +3,9 @@
     python -m bench.report docs/benchmarks/results.jsonl [--gpu "NVIDIA H100 80GB HBM3"]
 
 One GPU's rows (``--gpu``, else the GPU with the most rows; the others are named and left out: the latest row
-of a cell must not mix an H100's run into an H200's table). Writes docs/benchmarks/README.md, iteration_time.png and iteration_vs_budget.png next to the results, with
-the hand-written notes.md from the same folder, when there is one, ahead of the tables.
+of a cell must not mix an H100's run into an H200's table). Writes docs/benchmarks/README.md,
+iteration_time.png and iteration_vs_budget.png next to the results, with the hand-written notes.md from the
+same folder, when there is one, ahead of the tables.
 Exits non-zero, loudly, when our loss curve leaves the reference's (fused AdamW with our numerics, no offload)
 by more than rounding noise.
 """
