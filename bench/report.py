@@ -100,8 +100,9 @@ def _budget(b: float | None) -> str:
 
 
 def reference_of(system: str) -> str:
-    """The reference run a run of ours is checked against: clipped for a clipped system."""
-    return REFERENCE + "_clip" if "_clip" in system else REFERENCE
+    """The reference run a run of ours is checked against: clipped for a clipped system, with the same loss
+    spikes for one with spikes."""
+    return REFERENCE + ("_clip" if "_clip" in system else "") + ("_spikes" if "_spikes" in system else "")
 
 
 def loss_gap(row: dict, ref: dict) -> float:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field
+import itertools
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -28,6 +29,8 @@ from deep_optimizer_states.tools.models import checkpoint_activations, llama, ma
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 CLIP = 1.0  # max_grad_norm of the systems named *_clip (the Hugging Face Trainer's default)
+SPIKE = 8.0  # the loss's factor in a spike's backward (systems *_spikes): a power of 2 scales bf16 gradients exactly
+SPIKE_EVERY = 4  # a spike in every 4th backward: after each, one step paused and two that run updates ahead
 
 
 @dataclass
@@ -71,6 +74,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          fills_within_backward: bool | None = None,
          flush_ahead_last: bool | None = None,
          sit_out: bool | None = None,
+         stand_down: bool | None = None,
          kernel_defines: tuple[str, ...] = (),
          allocator: str | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
@@ -92,7 +96,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     ``flush_ahead_last``: ``engine.FLUSH_AHEAD_LAST`` for this process
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
     ``sit_out``: ``optimizer.SIT_OUT_AFTER_CLIP`` for this process (False: updates run ahead on the step after
-    one that clipped too, standing down where the norm landed passes the clip's);
+    one that clipped too, standing down where the norm landed passes the clip's); ``stand_down``:
+    ``optimizer.STAND_DOWN`` for this process (False: an update run ahead on a step that clips runs and is undone);
     ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
     (variant) as the library's; ``allocator``: torch's CUDA allocator settings for this process, in
     ``PYTORCH_CUDA_ALLOC_CONF``'s form (set before the model is built; no effect without a GPU)."""
@@ -107,6 +112,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             engine_module.FLUSH_AHEAD_LAST = flush_ahead_last
         if sit_out is not None:
             optimizer_module.SIT_OUT_AFTER_CLIP = sit_out
+        if stand_down is not None:
+            optimizer_module.STAND_DOWN = stand_down
         if allocator is not None and device.type == "cuda":
             torch.cuda.memory._set_allocator_settings(allocator)
         model = llama(preset, torch.bfloat16, device)
@@ -210,6 +217,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + (f"CUDA allocator {allocator}, " if allocator else "")
                        + ("updates run ahead after a clipped step too, " if optimizer_module.SIT_OUT_AFTER_CLIP is False
                           else "")
+                       + ("updates run ahead never stand down, " if optimizer_module.STAND_DOWN is False else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -228,6 +236,24 @@ def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
     model = llama(preset, torch.float32, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     return _plain(model, opt, device, "torch.optim.AdamW(fused=True), fp32 params on the GPU, bf16 autocast")
+
+
+def spiked(build: Callable[[str, torch.device, int], Trainer],
+           every: int) -> Callable[[str, torch.device, int], Trainer]:
+    """``build``'s system with the loss scaled by ``SPIKE`` on every ``every``-th backward (counted from the
+    first, warm-up and synchronised phases included, so that ours and its reference spike on the same steps).
+    Clipped at ``CLIP``, those steps clip after steps that did not once the memorised batch's norm is under
+    it (from its ninth step): gradient spikes, the case where updates run ahead stand down."""
+    def build_spiked(preset: str, device: torch.device, batch: int) -> Trainer:
+        trainer, count = build(preset, device, batch), itertools.count(1)
+        inner = trainer.backward
+
+        def backward(loss: torch.Tensor) -> None:
+            inner(loss * SPIKE if next(count) % every == 0 else loss)
+
+        return replace(trainer, backward=backward,
+                       settings=f"{trainer.settings}; the loss x{SPIKE:g} in one backward of every {every}")
+    return build_spiked
 
 
 def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int,
@@ -412,6 +438,13 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # (overlap.md calls 159-162). Calls 163-164 (one H100): 43-54 updates undone, means 0.441 and 0.410 s against
     # the default's 0.374 s; not the default
     "ours_offload_overlap_clip_spec_prefetch_bf16_nositout": defaults(clip=True, sit_out=False),
+    # clipped, with gradient spikes (the loss x8 in every 4th backward): from the ninth step each spike clips
+    # after steps that did not, with updates run ahead that stand down once the norm landed passes the clip's
+    # (the default) or, `_nostanddown`, run and are undone (the library before the fifty-third session); the
+    # loss check against `gpu_adamw_bf16_masters_clip_spikes`
+    "ours_offload_overlap_clip_spec_prefetch_bf16_spikes": spiked(defaults(clip=True), SPIKE_EVERY),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_spikes_nostanddown": spiked(defaults(clip=True, stand_down=False),
+                                                                              SPIKE_EVERY),
     # the defaults with the model's activation checkpointing (transformers' non-reentrant one), for budgets below
     # what forward and backward need without it: at a 16 GB budget (DeepSpeed ZeRO-3 offload's peak at 1.36B is
     # 14.7 GB) the defaults ran out of memory at 1.36B (H200 call 150), the need they learnt at the whole device
@@ -498,6 +531,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "gpu_adamw": gpu_adamw,
     "gpu_adamw_bf16_masters": gpu_adamw_bf16_masters,
     "gpu_adamw_bf16_masters_clip": lambda preset, device, batch: gpu_adamw_bf16_masters(preset, device, batch, CLIP),
+    "gpu_adamw_bf16_masters_clip_spikes": spiked(lambda preset, device, batch: gpu_adamw_bf16_masters(
+        preset, device, batch, CLIP), SPIKE_EVERY),
 }
 OURS = "ours_auto"
 REFERENCE = "gpu_adamw_bf16_masters"  # the loss check's reference: the same numerics as ours

@@ -48,6 +48,10 @@ TORCH_DEFAULT: Any = _TorchDefault()
 # once the norm landed passes the clip's (speculate.py), what that costs is fewer of them; False (bench
 # systems `_nositout`): run them ahead on every unscaled step, to measure against this default.
 SIT_OUT_AFTER_CLIP = True
+# With a clip, an update run ahead whose subgroup lands after the norm measured so far passed the clip's stands
+# down before its copy aside (the step will scale it); False (bench systems `_nostanddown`): it runs and is
+# undone, the library before the fifty-third session, to measure the stand-down against.
+STAND_DOWN = True
 MIN_LOSS_SCALE = 1.0  # below it fp16 gradients overflow even unscaled: halving cannot help (DeepSpeed's floor)
 
 
@@ -439,7 +443,7 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         job = Job(sg, Placement.CPU, AdamHyper.from_group(group, self.adamw),
                   runs=sg.runs([True] * len(sg.bucket.params)))
         over = None
-        if self._clip_seen is not None and self.scaler is None:  # (with a loss scale no update ahead is kept)
+        if STAND_DOWN and self._clip_seen is not None and self.scaler is None:  # (a loss scale keeps none ahead)
             stream, limit = self.grad_stream, self._clip_seen ** 2
             over = lambda: stream.partial_sq(sg.index) > limit  # noqa: E731  the clip will scale this step
         self.speculation.start(job, self.grad_stream.landed[sg.index], after, over)

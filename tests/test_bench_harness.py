@@ -596,20 +596,23 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
 
 def test_walls_split_a_clipped_runs_walls_by_what_the_clip_did(tmp_path, capsys):
     """Norms over the clip in the first timed steps: their walls are the clip's; walls of steps under it after
-    two more under it are the steady ones; the two between count in neither; a run without a clip has no
-    split and no table."""
+    two more under it are the steady ones; the two between count in neither; a spike's step, scaled after one
+    under the clip, is an onset too; a run without a clip has no split and no table."""
     norms = [7.0, 6.0, 9.0, 3.0, 2.0, 0.9, 0.5, 0.4, 0.3, 0.2]  # 3 warm-up steps, then 7 timed
     walls_s = [0.40, 0.41, 0.35, 0.34, 0.30, 0.29, 0.31]
     row = _row("ours_clip", iter_walls_s=walls_s, grad_norms=norms, clipped_steps=5,
                walls_split_s=[{"forward": 0.1, "backward": 0.1, "step": 0.02, "loss_read": 0.0}] * 7)
-    assert walls.clip_split(row) == {"clipped": [0.40, 0.41], "steady": [0.30, 0.29, 0.31]}
+    assert walls.clip_split(row) == {"clipped": [0.40, 0.41], "onset": [], "steady": [0.30, 0.29, 0.31]}
     assert walls.clip_split({**row, "grad_norms": [0.5] * 10})["steady"] == walls_s  # never scaled
+    spikes = [7.0, 6.0, 0.5, 0.5, 4.0, 0.9, 0.5, 0.4, 3.0, 0.2]  # scaled after one under the clip: steps 4 and 8
+    assert walls.clip_split({**row, "grad_norms": spikes}) == {"clipped": [0.41, 0.29], "onset": [0.41, 0.29],
+                                                             "steady": [0.30]}
     plain = {k: v for k, v in row.items() if k != "clipped_steps"}
     assert walls.clip_split(plain) is None
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(row) + "\n")
     walls.main([str(results)])
-    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 3, 0.300 |" in capsys.readouterr().out
+    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 0, - | 3, 0.300 |" in capsys.readouterr().out
     results.write_text(json.dumps(plain) + "\n")
     walls.main([str(results)])
     assert "walls of steps the clip scaled" not in capsys.readouterr().out
@@ -1028,3 +1031,32 @@ def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
     waits = out["copy_waits"]
     assert waits["lane.stage_out d2h"]["max_ms"] == 0.4 and waits["default d2h"]["max_ms"] == 0.79
     assert waits["default d2h"]["median_ms"] == 0.0 and waits["default d2h"]["copies"] == 3
+
+
+def test_spiked_systems_scale_the_loss_on_every_nth_backward_and_meet_their_own_reference(monkeypatch):
+    """`_spikes` scales the loss by ``SPIKE`` in every ``SPIKE_EVERY``-th backward, counted from the first, for
+    ours and its reference alike; `_nostanddown` turns ``optimizer.STAND_DOWN`` off for its process and says so;
+    the loss check holds a spiked run of ours to the spiked reference, and it passes."""
+    from bench.systems import SPIKE, SPIKE_EVERY, SYSTEMS, Trainer, spiked
+    import deep_optimizer_states.optimizer as optimizer_module
+
+    seen = []
+    fake = spiked(lambda preset, device, batch: Trainer(None, None, lambda loss: seen.append(float(loss)), None, 0,
+                                                          settings="fake"), 3)("tiny", torch.device("cpu"), 1)
+    for _ in range(6):
+        fake.backward(torch.tensor(1.5))
+    assert seen == [1.5, 1.5, 1.5 * SPIKE, 1.5, 1.5, 1.5 * SPIKE] and fake.settings.endswith(
+        f"the loss x{SPIKE:g} in one backward of every 3")
+
+    name = "ours_offload_overlap_clip_spec_prefetch_bf16_spikes"
+    monkeypatch.setattr(optimizer_module, "STAND_DOWN", optimizer_module.STAND_DOWN)  # restored after
+    assert optimizer_module.STAND_DOWN  # the library's default
+    off = SYSTEMS[name + "_nostanddown"]("tiny", torch.device("cpu"), 1)
+    assert not optimizer_module.STAND_DOWN and "updates run ahead never stand down" in off.settings
+    monkeypatch.setattr(optimizer_module, "STAND_DOWN", True)
+    assert report.reference_of(name + "_nostanddown") == REFERENCE + "_clip_spikes"
+    rows = [run_system.run(system, "tiny", None, iters=SPIKE_EVERY, warmup=1, micro_batch=1, seq=16,
+                           device=torch.device("cpu")) for system in (name, REFERENCE + "_clip_spikes")]
+    assert all(row["status"] == "ok" for row in rows), [row.get("traceback") for row in rows]
+    assert "updates run ahead never stand down" not in rows[0]["settings"]
+    assert report.check_losses(rows) == [] and "loss_vs_reference" in rows[0]

@@ -103,14 +103,18 @@ def test_clipping_undoes_the_update_run_ahead_and_pauses_speculation_for_one_ste
     assert kept == [n, n, n, 2 * n, 2 * n] and undone == [0, n, n, n, 2 * n]
 
 
+@pytest.mark.parametrize("stand_down", [True, False], ids=["stand_down", "no_stand_down"])
 @pytest.mark.parametrize("sit_out", [True, False], ids=["sit_out", "every_step"])
 @pytest.mark.parametrize("max_norm", [1e-3, 1.6], ids=["all_over", "some_over"])
-def test_updates_run_ahead_stand_down_once_the_norm_landed_passes_the_clip(monkeypatch, sit_out, max_norm):
+def test_updates_run_ahead_stand_down_once_the_norm_landed_passes_the_clip(monkeypatch, sit_out, max_norm,
+                                                                          stand_down):
     """Gradients land last layers first, each subgroup's with the norm measured so far: an update run ahead
     after that norm passed ``max_grad_norm`` stands down before its copy aside (the step will clip it), one
     before it runs and is undone. Either way each step equals the plain one bit for bit. ``SIT_OUT_AFTER_CLIP``
-    off: updates run ahead on the steps after a clip too, and stand down there."""
+    off: updates run ahead on the steps after a clip too, and stand down there. ``STAND_DOWN`` off (what the
+    bench measures the stand-down against): every one runs and is undone."""
     monkeypatch.setattr(optimizer_module, "SIT_OUT_AFTER_CLIP", sit_out)
+    monkeypatch.setattr(optimizer_module, "STAND_DOWN", stand_down)
     (m1, o1), (m2, o2) = _pair(tiny_llama(), schedule="cpu", subgroup_size=8000, lr=1e-2, max_grad_norm=max_norm)
     gens = torch.Generator().manual_seed(1), torch.Generator().manual_seed(1)
     n = len(o1.layout.subgroups)
@@ -118,7 +122,7 @@ def test_updates_run_ahead_stand_down_once_the_norm_landed_passes_the_clip(monke
         before = o1.speculation.undone, o1.speculation.stood_down
         _backward([(m1, o1), (m2, o2)], gens)
         ahead = sorted(o1.speculation._ahead)
-        over = [i for i in ahead if o1.grad_stream.partial_sq(i) > max_norm ** 2]
+        over = [i for i in ahead if stand_down and o1.grad_stream.partial_sq(i) > max_norm ** 2]
         o1.step()
         o2.step()
         _same(o1, m1, o2, m2, f"step {step}")
@@ -128,7 +132,10 @@ def test_updates_run_ahead_stand_down_once_the_norm_landed_passes_the_clip(monke
             assert ahead == [] and undone == stood == 0, "a step after a clip runs nothing ahead"
             continue
         assert len(ahead) == n and stood == len(over) and undone == n - len(over)
-        assert (undone == 0) if max_norm == 1e-3 else (undone > 0 and stood > 0)
+        if stand_down:
+            assert (undone == 0) if max_norm == 1e-3 else (undone > 0 and stood > 0)
+        else:
+            assert undone == n and stood == 0
     assert o1.speculation.kept == 0
 
 
