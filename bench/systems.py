@@ -10,9 +10,9 @@ imported only when their system is asked for.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
-import itertools
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 

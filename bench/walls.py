@@ -241,9 +241,10 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
 
     ``clipped``: walls of steps whose norm the clip scaled (their CPU path waits for the global norm: no
     update runs ahead of it); ``onset``: those of them whose step before was under the clip (the updates run
-    ahead in their backward stand down once the norm landed passes the clip's, or are undone); ``steady``: walls of steps under the clip whose two steps before were under it
-    too (the update of the step before ran ahead, and so did this one's: ``speculate`` is off for the step
-    after one that clipped); the rest, between, counted in neither. The walls are the last of the steps the
+    ahead in their backward stand down once the norm landed passes the clip's, or are undone); ``steady``:
+    walls of steps under the clip whose two steps before were under it too (the update of the step before ran
+    ahead, and so did this one's: ``speculate`` is off for the step after one that clipped); the rest,
+    between, counted in neither. The walls are the last of the steps the
     norms were recorded for (warm-up first). A memorised batch's norm falls under 1.0 after about 8 steps:
     a loop timed from the third step times 5 that clip (rows run without phases, from 2026-12-04)."""
     norms, walls = row.get("grad_norms"), row.get("iter_walls_s")
