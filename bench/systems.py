@@ -77,7 +77,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
          fills_within_backward: bool | None = None,
          flush_ahead_last: bool | None = None,
          sit_out: bool | None = None,
-         stand_down: bool | None = None,
+         stand_down: bool | str | None = None,
          kernel_defines: tuple[str, ...] = (),
          allocator: str | None = None) -> Callable[[str, torch.device, int], Trainer]:
     """Our optimizer; ``spare_cores`` leaves that many cores out of its CPU AdamW threads (for the training
@@ -100,7 +100,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
     (True: the flushes of the subgroups filled ahead after the slots', the default of calls 64-67);
     ``sit_out``: ``optimizer.SIT_OUT_AFTER_CLIP`` for this process (False: updates run ahead on the step after
     one that clipped too, standing down where the norm landed passes the clip's); ``stand_down``:
-    ``optimizer.STAND_DOWN`` for this process (False: an update run ahead on a step that clips runs and is undone);
+    ``optimizer.STAND_DOWN`` for this process (False: an update run ahead on a step that clips runs and is undone;
+    "forecast": it stands down once the norm landed, over the last step's share by then, passes the clip's);
     ``kernel_defines``: the bf16 kernel built with these macros (``cpu_adamw.KERNEL_DEFINES``), in the same form
     (variant) as the library's; ``allocator``: torch's CUDA allocator settings for this process, in
     ``PYTORCH_CUDA_ALLOC_CONF``'s form (set before the model is built; no effect without a GPU)."""
@@ -221,6 +222,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                        + ("updates run ahead after a clipped step too, " if optimizer_module.SIT_OUT_AFTER_CLIP is False
                           else "")
                        + ("updates run ahead never stand down, " if optimizer_module.STAND_DOWN is False else "")
+                       + ("updates run ahead stand down by a forecast of the clip, "
+                          if optimizer_module.STAND_DOWN == "forecast" else "")
                        + ("activation checkpointing, " if checkpointing else "") + "bf16 params, "
                        "fp32 masters on the host", optimizer=opt)
     return build
@@ -449,6 +452,12 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_spikes": spiked(defaults(clip=True), SPIKE_EVERY),
     "ours_offload_overlap_clip_spec_prefetch_bf16_spikes_nostanddown": spiked(defaults(clip=True, stand_down=False),
                                                                               SPIKE_EVERY),
+    # clipped, updates run ahead on every step (no pause after a clip), standing down once the norm landed, over
+    # the share of the last step's norm landed by then, passes the clip's (optimizer.STAND_DOWN = "forecast"):
+    # a lasting clip stands every one down from the first, the step after a spike runs them. Not run on a GPU yet
+    "ours_offload_overlap_clip_spec_prefetch_bf16_forecast": defaults(clip=True, stand_down="forecast", sit_out=False),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_spikes_forecast": spiked(
+        defaults(clip=True, stand_down="forecast", sit_out=False), SPIKE_EVERY),
     # the defaults with the model's activation checkpointing (transformers' non-reentrant one), for budgets below
     # what forward and backward need without it: at a 16 GB budget (DeepSpeed ZeRO-3 offload's peak at 1.36B is
     # 14.7 GB) the defaults ran out of memory at 1.36B (H200 call 150), the need they learnt at the whole device

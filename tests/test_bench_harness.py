@@ -1035,8 +1035,9 @@ def test_trace_loop_names_the_lanes_and_finds_the_copies_that_waited():
 
 def test_spiked_systems_scale_the_loss_on_every_nth_backward_and_meet_their_own_reference(monkeypatch):
     """`_spikes` scales the loss by ``SPIKE`` in every ``SPIKE_EVERY``-th backward, counted from the first, for
-    ours and its reference alike; `_nostanddown` turns ``optimizer.STAND_DOWN`` off for its process and says so;
-    the loss check holds a spiked run of ours to the spiked reference, and it passes."""
+    ours and its reference alike; `_nostanddown` turns ``optimizer.STAND_DOWN`` off for its process and says so,
+    `_forecast` sets it to "forecast" and runs updates ahead after a clip too; the loss check holds a spiked run
+    of ours to the spiked reference, and it passes."""
     from bench.systems import SPIKE, SPIKE_EVERY, SYSTEMS, Trainer, spiked
     import deep_optimizer_states.optimizer as optimizer_module
 
@@ -1053,7 +1054,12 @@ def test_spiked_systems_scale_the_loss_on_every_nth_backward_and_meet_their_own_
     assert optimizer_module.STAND_DOWN  # the library's default
     off = SYSTEMS[name + "_nostanddown"]("tiny", torch.device("cpu"), 1)
     assert not optimizer_module.STAND_DOWN and "updates run ahead never stand down" in off.settings
+    monkeypatch.setattr(optimizer_module, "SIT_OUT_AFTER_CLIP", optimizer_module.SIT_OUT_AFTER_CLIP)
+    forecast = SYSTEMS[name + "_forecast"]("tiny", torch.device("cpu"), 1)
+    assert optimizer_module.STAND_DOWN == "forecast" and optimizer_module.SIT_OUT_AFTER_CLIP is False
+    assert "by a forecast of the clip" in forecast.settings and "after a clipped step too" in forecast.settings
     monkeypatch.setattr(optimizer_module, "STAND_DOWN", True)
+    monkeypatch.setattr(optimizer_module, "SIT_OUT_AFTER_CLIP", True)
     assert report.reference_of(name + "_nostanddown") == REFERENCE + "_clip_spikes"
     rows = [run_system.run(system, "tiny", None, iters=SPIKE_EVERY, warmup=1, micro_batch=1, seq=16,
                            device=torch.device("cpu")) for system in (name, REFERENCE + "_clip_spikes")]

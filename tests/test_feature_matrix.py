@@ -6,7 +6,8 @@ built), AdamW or Adam, a tiny ``subgroup_size`` (subgroups straddle params), a s
 "auto", "offload" or a random placement per subgroup set after construction) and a random valid combination of
 ``stream_grads``, ``overlap``, ``prefetch`` (True / "release"), ``speculate`` (True or a count),
 ``max_grad_norm`` (None, small so that it clips, large so that it never does), ``nonfinite`` and, with a C++
-compiler and bf16 params, ``bf16_cpu_path``. It then trains 4-8 steps, and between them and between backward
+compiler and bf16 params, ``bf16_cpu_path``; and the run-ahead's module flags ``optimizer.STAND_DOWN`` (True,
+"forecast", False) and ``SIT_OUT_AFTER_CLIP``. It then trains 4-8 steps, and between them and between backward
 and step does what users do: accumulation over 2-3 micro-batches (their losses may differ), every kind of
 zero_grad (or none), params that get no gradient (a loss on an early layer's output, ``inputs_embeds`` instead
 of the embedding, a param frozen for a step, ``p.grad = None``), a NaN or an inf in the loss, in one param's
@@ -58,6 +59,7 @@ import torch
 from torch import nn
 
 from deep_optimizer_states import DeepOptimizerStates, Placement
+from deep_optimizer_states import optimizer as optimizer_module
 from deep_optimizer_states.core import engine
 from deep_optimizer_states.tools.models import checkpoint_activations
 from tests.harness import mlp, tiny_llama, total_norm
@@ -90,6 +92,8 @@ class Config:
     adamw: bool = True  # False: classic Adam (L2 decay)
     frozen: int | None = None  # a param with requires_grad=False when the optimizer is built (never trained)
     checkpointing: str | None = None  # Llama: activation checkpointing, "reentrant" or "plain"
+    stand_down: Any = True  # optimizer.STAND_DOWN: True, "forecast" or False
+    sit_out: bool = True  # optimizer.SIT_OUT_AFTER_CLIP
 
     def kwargs(self) -> dict:
         return dict(stream_grads=self.stream_grads, overlap=self.overlap, prefetch=self.prefetch,
@@ -102,7 +106,8 @@ class Config:
                 f"speculate={self.speculate} clip={self.max_grad_norm} nonfinite={self.nonfinite} "
                 f"bf16_cpu={self.bf16_cpu_path} slow={self.slow} adamw={self.adamw} lr={self.lr} "
                 f"wd={self.weight_decay} "
-                f"frozen={self.frozen} checkpointing={self.checkpointing}")
+                f"frozen={self.frozen} checkpointing={self.checkpointing} stand_down={self.stand_down} "
+                f"sit_out={self.sit_out}")
 
 
 BEFORE = ["sync", "eval", "eval_big", "lr", "sd_save", "sd_load", "sd_load_earlier", "edit_inplace", "edit_load",
@@ -158,7 +163,7 @@ def draw(seed: int) -> Config:
         for sp in steps:  # layer and outside it: refused under stream_grads (its own test), not drawn
             if sp["nan"] is not None and sp["nan"][0] == "param_nan":
                 sp["nan"] = ("loss_nan", *sp["nan"][1:])
-    return Config(
+    config = Config(
         seed=seed, model=model, dtype=dtype, groups=rng.random() < 0.4, subgroup_size=rng.choice(sizes),
         ref_subgroup_size=rng.choice([None, 25_000_000]) or 0, schedule=rng.choice(
             ["cpu", "gpu", 2, 3, "auto", "offload", "list", "list"]),
@@ -169,6 +174,9 @@ def draw(seed: int) -> Config:
         lr=rng.choice([1e-3, 1e-2]), weight_decay=rng.choice([0.0, 0.1]), slow=rng.choice([0.0, 0.0, 0.0005, 0.002]),
         steps=steps, adamw=rng.random() < 0.85, frozen=rng.randrange(100) if rng.random() < 0.15 else None,
         checkpointing=checkpointing)
+    # drawn last, so the draws above (and the seeds found before) stay as they were
+    return dataclasses.replace(config, stand_down=rng.choice([True, True, "forecast", False]),
+                               sit_out=rng.random() < 0.6)
 
 
 # ---- building ---------------------------------------------------------------------------------------------
@@ -632,6 +640,15 @@ def run_example(seed: int) -> Config:
 
 
 def run_config(cfg: Config) -> Config:
+    flags = optimizer_module.STAND_DOWN, optimizer_module.SIT_OUT_AFTER_CLIP
+    optimizer_module.STAND_DOWN, optimizer_module.SIT_OUT_AFTER_CLIP = cfg.stand_down, cfg.sit_out
+    try:
+        return _run_config(cfg)
+    finally:
+        optimizer_module.STAND_DOWN, optimizer_module.SIT_OUT_AFTER_CLIP = flags
+
+
+def _run_config(cfg: Config) -> Config:
     model = make_model(cfg)
     twin = copy.deepcopy(model)
     twin_at_start = copy.deepcopy(model)

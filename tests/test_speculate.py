@@ -139,6 +139,36 @@ def test_updates_run_ahead_stand_down_once_the_norm_landed_passes_the_clip(monke
     assert o1.speculation.kept == 0
 
 
+@pytest.mark.parametrize("stand_down", [True, "forecast"], ids=["landed", "forecast"])
+def test_a_forecast_stands_a_spikes_updates_down_from_the_first_and_runs_ahead_after_it(monkeypatch, stand_down):
+    """Gradient spikes (norm about 1.6 against about 0.5, clipped at 1.0), updates run ahead on every step (no
+    pause after a clip): with the norm landed alone, the first subgroups of a spike's step run before it passes
+    the clip and are undone; forecast by the share of the last step's norm landed by the same point (about 0.3
+    at the first, steady between steps), every one stands down from the first. Either way the step after a
+    spike keeps every update run ahead, and every step equals the plain one bit for bit."""
+    monkeypatch.setattr(optimizer_module, "SIT_OUT_AFTER_CLIP", False)
+    monkeypatch.setattr(optimizer_module, "STAND_DOWN", stand_down)
+    (m1, o1), (m2, o2) = _pair(tiny_llama(), schedule="cpu", subgroup_size=8000, lr=1e-3, max_grad_norm=1.0)
+    gens = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    n = len(o1.layout.subgroups)
+    for step, scale in enumerate([0.2, 0.2, 0.6, 0.2, 0.2, 0.6, 0.2]):
+        before = o1.speculation.kept, o1.speculation.undone, o1.speculation.stood_down
+        _backward([(m1, o1), (m2, o2)], gens, scale=scale)
+        o1.step()
+        o2.step()
+        _same(o1, m1, o2, m2, f"step {step}")
+        kept, undone, stood = (now - then for now, then in zip((o1.speculation.kept, o1.speculation.undone,
+                                                                 o1.speculation.stood_down), before))
+        spike = scale > 0.2
+        assert (o1.last_grad_norm > 1.0) == spike, f"step {step}: norm {float(o1.last_grad_norm)}"
+        if not spike:
+            assert (kept, undone, stood) == (n, 0, 0), f"step {step}"
+        elif stand_down == "forecast":
+            assert (kept, undone, stood) == (0, 0, n), f"step {step}: every one stands down"
+        else:
+            assert kept == 0 and undone > 0 and stood > 0 and undone + stood == n, f"step {step}"
+
+
 def test_a_kept_update_whose_run_ahead_stood_down_is_updated_by_the_step(monkeypatch):
     """Should ``step()`` keep an update whose run-ahead stood down (on a GPU it may not have ended when the step
     settles), the engine updates that subgroup itself: no step is lost. Forced here: a clip expected at a

@@ -13,7 +13,8 @@ the inf/nan check) is ready when backward ends; the clip and unscale factors are
 gradients on the host, the same IEEE multiplies the GPU path does. Staged and resident subgroups keep
 their gradients on the GPU. With ``partial`` the norms' running sum of squares goes down beside each
 subgroup's gradients (``partial_sq``): a lower bound of the global norm's square by the time they land, which
-tells an update run ahead (``speculate``) that a clip will scale this step before backward ends.
+tells an update run ahead (``speculate``) that a clip will scale this step before backward ends; and over the
+share of its norm's square the last step had measured by then (``last_share``), a forecast of this step's.
 """
 
 from __future__ import annotations
@@ -62,13 +63,21 @@ class GradStream:
             _OWNER[i] = self._ref  # would otherwise take its gradients
         weakref.finalize(self, _remove, list(self._handles), self._ids, self._ref)
         self._sumsq: torch.Tensor | None = None  # with ``partial``: this step's measured norms' sum of squares
-        self._partial_host: torch.Tensor | None = None  # per subgroup: that sum as its gradients went down
+        # with ``partial``, two rows, this step's and the last one's (``_row`` this step's): per subgroup that sum
+        # as its gradients went down, and the whole sum as backward ended
+        self._partial_host: torch.Tensor | None = None
+        self._total_host: torch.Tensor | None = None
+        self._row = 0
         self.reset()
 
     def end_step(self) -> None:
         """The step is over: the gradients given back this step are ``gone`` (torch would still hold them, for
         ``zero_grad(set_to_none=False)`` to zero), and the step's other records are forgotten."""
         self.gone = self.taken
+        if self._partial_host is not None and self.landed:  # this step's sums become the last step's
+            self._row = 1 - self._row
+            self._partial_host[self._row].zero_()
+            self._total_host[self._row] = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -188,16 +197,40 @@ class GradStream:
     @partial.setter
     def partial(self, on: bool) -> None:
         if on and self._partial_host is None:
-            self._partial_host = torch.zeros(max(self._pieces, default=-1) + 1, dtype=torch.float32,
-                                             pin_memory=self.device.type == "cuda")
+            pin = self.device.type == "cuda"
+            self._partial_host = torch.zeros(2, max(self._pieces, default=-1) + 1, dtype=torch.float32, pin_memory=pin)
+            self._total_host = torch.zeros(2, dtype=torch.float32, pin_memory=pin)
         elif not on:
-            self._partial_host = None
+            self._partial_host = self._total_host = None
 
     def partial_sq(self, index: int) -> float:
         """The square of the norm of the gradients measured by the time subgroup ``index``'s went down (read
         once they have landed): at most the global norm's square (the sum runs in place on the device, so a
         later copy may count more of this step's norms, never another step's); 0.0 without ``partial``."""
-        return 0.0 if self._partial_host is None else float(self._partial_host[index])
+        return 0.0 if self._partial_host is None else float(self._partial_host[self._row, index])
+
+    def last_share(self, index: int) -> float | None:
+        """The share of the last step's norm's square measured by the time subgroup ``index``'s gradients went
+        down then: ``partial_sq`` over it forecasts this step's (layers' shares move little between steps); None
+        where not known (no last step with ``partial``, or the subgroup did not go down in it). Read once this
+        step's gradients of the subgroup have landed (the last step's copies ran before them on the stream)."""
+        if self._partial_host is None:
+            return None
+        last = 1 - self._row
+        total, part = float(self._total_host[last]), float(self._partial_host[last, index])
+        return part / total if total > 0.0 and part > 0.0 else None
+
+    def _record_total(self) -> None:
+        """As backward ends, with ``partial``: this step's whole sum of squares into its host slot (on the side
+        stream, before the next step's copies)."""
+        if self._total_host is None or self._sumsq is None:
+            return
+        if self.stream is None:
+            self._total_host[self._row].copy_(self._sumsq)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # the last norms are summed
+        with torch.cuda.stream(self.stream):
+            self._total_host[self._row].copy_(self._sumsq, non_blocking=True)
 
     def _give_back(self, p: torch.Tensor) -> None:
         """Free ``p``'s gradient once it is final and every subgroup holding it has gone down."""
@@ -236,9 +269,9 @@ class GradStream:
         """With ``partial``: the norms' running sum of squares into ``sg``'s host slot, beside its gradients."""
         if self._partial_host is not None:
             if self._sumsq is None:
-                self._partial_host[sg.index] = 0.0
+                self._partial_host[self._row, sg.index] = 0.0
             else:
-                self._partial_host[sg.index].copy_(self._sumsq, non_blocking=non_blocking)
+                self._partial_host[self._row, sg.index].copy_(self._sumsq, non_blocking=non_blocking)
 
     def edited(self) -> str | None:
         """Which gradient, if any, was changed in place after backward once some went down this step: the
@@ -276,6 +309,7 @@ def _weak_measure(ref: "weakref.ref[GradStream]") -> Callable[[], None]:
         if stream is not None:
             stream._measure_queued = False
             stream._measure()
+            stream._record_total()
     return measure
 
 
