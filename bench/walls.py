@@ -14,8 +14,8 @@ preempted per second, the host copy's GB/s measured before the first step; each 
 iteration like the rate); what the timed loop started from (``carried_into_loop``); the loss's largest gap
 to the reference run of the same model and batch (``report.loss_gap``), found among the rows read and those
 of ``--references``. For a clipped run (``clipped_steps`` in its row), a second table splits its walls: those
-of steps the clip scaled (and of those among them whose step before was under it), and those of steps under
-the clip after two more under it (``clip_split``).
+of steps the clip scaled (and of those among them whose step before was under it: its onsets, and the two
+steps after each onset), and those of steps under the clip after two more under it (``clip_split``).
 
 The timed loop reads the loss after ``step()`` (bench/free_loop.py), as a training loop that logs it does.
 That read is a copy to the host, and a direction of the link runs one copy at a time in the order enqueued:
@@ -224,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     splits = [(path, row, split) for path, row, split in splits if split is not None]
     if splits:
         print(f"\n| file | system | model | iteration s | walls of steps the clip scaled (n, median s) "
-              f"| of those, after a step under it (n, median s) "
-              f"| walls of steps under the clip, after two under it (n, median s) |\n" + "|---" * 7 + "|")
+              f"| of those, after a step under it (n, median s) | the two after each of those (n, median s) "
+              f"| walls of steps under the clip, after two under it (n, median s) |\n" + "|---" * 8 + "|")
         for path, row, split in splits:
             print(f"| {path.parent.name}/{path.name} | {row['system']} | {row['model']} | {row['iter_s']:.3f} | "
-                  f"{_walls(split['clipped'])} | {_walls(split['onset'])} | {_walls(split['steady'])} |")
+                  f"{_walls(split['clipped'])} | {_walls(split['onset'])} | {_walls(split['after_onset'])} | "
+                  f"{_walls(split['steady'])} |")
     for (model, name), pairs in by_model.items():
         _print_correlation(f"{model}: {name} against the iteration", pairs)
     for model, pairs in fills.items():
@@ -241,7 +242,9 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
 
     ``clipped``: walls of steps whose norm the clip scaled (their CPU path waits for the global norm: no
     update runs ahead of it); ``onset``: those of them whose step before was under the clip (the updates run
-    ahead in their backward stand down once the norm landed passes the clip's, or are undone); ``steady``:
+    ahead in their backward stand down once the norm landed passes the clip's, or are undone); ``after_onset``:
+    walls of the two steps after each onset, where those under the clip carry its cost on (the update of the
+    onset runs beside the next forward, and the step after a clip runs none ahead by default); ``steady``:
     walls of steps under the clip whose two steps before were under it too (the update of the step before ran
     ahead, and so did this one's: ``speculate`` is off for the step after one that clipped); the rest,
     between, counted in neither. The walls are the last of the steps the
@@ -253,9 +256,11 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
     first = len(norms) - len(walls)
     scaled = [n is not None and n + 1e-6 > max_norm for n in norms]
     clipped = [w for j, w in enumerate(walls) if scaled[first + j]]
-    onset = [w for j, w in enumerate(walls) if first + j >= 1 and scaled[first + j] and not scaled[first + j - 1]]
+    onsets = {k for k in range(max(first, 1), first + len(walls)) if scaled[k] and not scaled[k - 1]}
+    onset = [w for j, w in enumerate(walls) if first + j in onsets]
+    after_onset = [w for j, w in enumerate(walls) if {first + j - 1, first + j - 2} & onsets]
     steady = [w for j, w in enumerate(walls) if first + j >= 2 and not any(scaled[first + j - 2: first + j + 1])]
-    return {"clipped": clipped, "onset": onset, "steady": steady}
+    return {"clipped": clipped, "onset": onset, "after_onset": after_onset, "steady": steady}
 
 
 def _walls(walls: list[float]) -> str:

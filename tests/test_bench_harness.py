@@ -597,22 +597,24 @@ def test_walls_count_the_loss_reads_that_waited_behind_the_update(tmp_path, caps
 def test_walls_split_a_clipped_runs_walls_by_what_the_clip_did(tmp_path, capsys):
     """Norms over the clip in the first timed steps: their walls are the clip's; walls of steps under it after
     two more under it are the steady ones; the two between count in neither; a spike's step, scaled after one
-    under the clip, is an onset too; a run without a clip has no split and no table."""
+    under the clip, is an onset too, and the two after it are counted apart; a run without a clip has no split
+    and no table."""
     norms = [7.0, 6.0, 9.0, 3.0, 2.0, 0.9, 0.5, 0.4, 0.3, 0.2]  # 3 warm-up steps, then 7 timed
     walls_s = [0.40, 0.41, 0.35, 0.34, 0.30, 0.29, 0.31]
     row = _row("ours_clip", iter_walls_s=walls_s, grad_norms=norms, clipped_steps=5,
                walls_split_s=[{"forward": 0.1, "backward": 0.1, "step": 0.02, "loss_read": 0.0}] * 7)
-    assert walls.clip_split(row) == {"clipped": [0.40, 0.41], "onset": [], "steady": [0.30, 0.29, 0.31]}
+    assert walls.clip_split(row) == {"clipped": [0.40, 0.41], "onset": [], "after_onset": [],
+                                     "steady": [0.30, 0.29, 0.31]}
     assert walls.clip_split({**row, "grad_norms": [0.5] * 10})["steady"] == walls_s  # never scaled
     spikes = [7.0, 6.0, 0.5, 0.5, 4.0, 0.9, 0.5, 0.4, 3.0, 0.2]  # scaled after one under the clip: steps 4 and 8
     assert walls.clip_split({**row, "grad_norms": spikes}) == {"clipped": [0.41, 0.29], "onset": [0.41, 0.29],
-                                                             "steady": [0.30]}
+                                                             "after_onset": [0.35, 0.34, 0.31], "steady": [0.30]}
     plain = {k: v for k, v in row.items() if k != "clipped_steps"}
     assert walls.clip_split(plain) is None
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(row) + "\n")
     walls.main([str(results)])
-    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 0, - | 3, 0.300 |" in capsys.readouterr().out
+    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 0, - | 0, - | 3, 0.300 |" in capsys.readouterr().out
     results.write_text(json.dumps(plain) + "\n")
     walls.main([str(results)])
     assert "walls of steps the clip scaled" not in capsys.readouterr().out
