@@ -49,12 +49,14 @@ TORCH_DEFAULT: Any = _TorchDefault()
 # systems `_nositout`): run them ahead on every unscaled step, to measure against this default.
 SIT_OUT_AFTER_CLIP = True
 # With a clip, an update run ahead whose subgroup lands after the norm measured so far passed the clip's stands
-# down before its copy aside (the step will scale it); False (bench systems `_nostanddown`): it runs and is
-# undone, the library before the fifty-third session, to measure the stand-down against. "forecast" (bench
-# systems `_forecast`, which also run updates ahead after a clip): it stands down once that norm, over the share
-# of the last step's norm measured by the same point, passes the clip's; a forecast, so a wrong one costs an
-# undo or a head start, never exactness. Not measured on a GPU yet: not the default.
+# down before its copy aside (the step will scale it); False (bench systems `_nostanddown`): it always runs, and
+# a step that clips undoes it, to measure the stand-down against. "forecast" (bench systems `_forecast`, which
+# also run updates ahead after a clip): it stands down once that norm, over the share of the last step's norm
+# measured by the same point, passes the clip's; a forecast, so a wrong one costs an undo or a head start, never
+# exactness. Not measured on a GPU yet: not the default. Under FSDP2 both read this rank's norms, at most the
+# global one: a clip is found later, the more ranks the later.
 STAND_DOWN: bool | str = True
+_STAND_DOWN_MODES = (True, False, "forecast")
 MIN_LOSS_SCALE = 1.0  # below it fp16 gradients overflow even unscaled: halving cannot help (DeepSpeed's floor)
 
 
@@ -446,12 +448,10 @@ class DeepOptimizerStates(torch.optim.Optimizer):
         job = Job(sg, Placement.CPU, AdamHyper.from_group(group, self.adamw),
                   runs=sg.runs([True] * len(sg.bucket.params)))
         over = None
+        if STAND_DOWN not in _STAND_DOWN_MODES:
+            raise ValueError(f"optimizer.STAND_DOWN is {STAND_DOWN!r}: set it to True, False or 'forecast'")
         if STAND_DOWN and self._clip_seen is not None and self.scaler is None:  # (a loss scale keeps none ahead)
-            stream, limit, i = self.grad_stream, self._clip_seen ** 2, sg.index
-            if STAND_DOWN == "forecast":  # the clip will likely scale this step
-                over = lambda: stream.partial_sq(i) > limit * (stream.last_share(i) or 1.0)  # noqa: E731
-            else:  # the clip will scale this step
-                over = lambda: stream.partial_sq(i) > limit  # noqa: E731
+            over = self.grad_stream.clip_check(sg.index, self._clip_seen ** 2, forecast=STAND_DOWN == "forecast")
         self.speculation.start(job, self.grad_stream.landed[sg.index], after, over)
 
     def _undo_ahead(self, subgroups: Iterable[Subgroup] | None = None) -> None:

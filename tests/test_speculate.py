@@ -169,6 +169,51 @@ def test_a_forecast_stands_a_spikes_updates_down_from_the_first_and_runs_ahead_a
             assert kept == 0 and undone > 0 and stood > 0 and undone + stood == n, f"step {step}"
 
 
+def test_the_last_steps_shares_come_from_the_last_step_that_ended():
+    """``last_share`` reads the last step's sums: a backward dropped by zero_grad leaves none of its own, a step
+    whose norm is not finite (skipped) gives none, and the step after gives them again."""
+    model = tiny_llama()
+    opt = DeepOptimizerStates(model, stream_grads=True, speculate=True, schedule="cpu", subgroup_size=8000,
+                              max_grad_norm=1e9, nonfinite="skip")
+    stream, n = opt.grad_stream, len(opt.layout.subgroups)
+    gen = torch.Generator().manual_seed(6)
+
+    def backward(scale: float = 1.0) -> list[float]:
+        opt.zero_grad()
+        (loss_of(model, gen) * scale).backward()
+        return [stream.partial_sq(i) for i in range(n)]
+
+    assert [stream.last_share(i) for i in range(n)] == [None] * n, "no step yet"
+    sums = backward()
+    opt.step()
+    shares = [stream.last_share(i) for i in range(n)]
+    assert shares == pytest.approx([p / max(sums) for p in sums]) and max(shares) == pytest.approx(1.0)
+    backward(scale=3.0)  # dropped: zero_grad before any step
+    model.lm_head.weight.requires_grad_(False)  # its subgroups do not land in the step after
+    sums = backward()
+    model.lm_head.weight.requires_grad_(True)
+    opt.step()
+    shares = [stream.last_share(i) for i in range(n)]
+    assert 0 < sums.count(0.0) < n and [s is None for s in shares] == [p == 0.0 for p in sums]
+    assert [s for s in shares if s is not None] == pytest.approx([p / max(sums) for p in sums if p])
+    backward(scale=float("nan"))
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        opt.step()
+    assert [stream.last_share(i) for i in range(n)] == [None] * n, "a norm that is not finite forecasts nothing"
+    sums = backward()
+    opt.step()
+    assert [stream.last_share(i) for i in range(n)] == pytest.approx([p / max(sums) for p in sums])
+    assert opt.speculation.kept > 0
+    opt.close()
+
+
+def test_a_stand_down_mode_that_does_not_exist_is_refused(monkeypatch):
+    monkeypatch.setattr(optimizer_module, "STAND_DOWN", "forcast")
+    (m1, o1), _ = _pair(tiny_llama(), schedule="cpu", subgroup_size=8000, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="STAND_DOWN is 'forcast': set it to True, False or 'forecast'"):
+        loss_of(m1, torch.Generator().manual_seed(0)).backward()
+
+
 def test_a_kept_update_whose_run_ahead_stood_down_is_updated_by_the_step(monkeypatch):
     """Should ``step()`` keep an update whose run-ahead stood down (on a GPU it may not have ended when the step
     settles), the engine updates that subgroup itself: no step is lost. Forced here: a clip expected at a

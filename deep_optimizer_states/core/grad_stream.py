@@ -20,6 +20,7 @@ share of its norm's square the last step had measured by then (``last_share``), 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import weakref
 from typing import Callable, Iterator
@@ -75,9 +76,7 @@ class GradStream:
         ``zero_grad(set_to_none=False)`` to zero), and the step's other records are forgotten."""
         self.gone = self.taken
         if self._partial_host is not None and self.landed:  # this step's sums become the last step's
-            self._row = 1 - self._row
-            self._partial_host[self._row].zero_()
-            self._total_host[self._row] = 0.0
+            self._row = 1 - self._row  # (reset zeroes the new row)
         self.reset()
 
     def reset(self) -> None:
@@ -90,8 +89,13 @@ class GradStream:
         self._measure_queued = False  # the end of this backward will take the norms left
         self.taken: dict[int, torch.dtype] = {}  # id(param) -> its gradient's dtype, given back as its subgroups went
         self._buffer = None
-        if self._sumsq is not None:
-            self._sumsq.zero_()
+        if self._sumsq is not None:  # a new sum: copies of the old one may still be queued on the side stream
+            if self.stream is not None:
+                self._sumsq.record_stream(self.stream)
+            self._sumsq = None
+        if self._partial_host is not None:  # a backward dropped by zero_grad leaves nothing in this step's row
+            self._partial_host[self._row].zero_()
+            self._total_host[self._row] = 0.0
         self.first_final_at: float | None = None  # host clock (perf_counter) at this step's first final gradient
         self.last_final_at: float | None = None  # ... and at its latest
 
@@ -175,6 +179,7 @@ class GradStream:
             self._measure_queued = True
         except RuntimeError:
             self._measure()
+            self._record_total()
 
     def _measure(self) -> None:
         """The norms of the final gradients not measured yet, in one kernel call per dtype (the one
@@ -203,22 +208,39 @@ class GradStream:
         elif not on:
             self._partial_host = self._total_host = None
 
-    def partial_sq(self, index: int) -> float:
+    def partial_sq(self, index: int, row: int | None = None) -> float:
         """The square of the norm of the gradients measured by the time subgroup ``index``'s went down (read
         once they have landed): at most the global norm's square (the sum runs in place on the device, so a
-        later copy may count more of this step's norms, never another step's); 0.0 without ``partial``."""
-        return 0.0 if self._partial_host is None else float(self._partial_host[self._row, index])
+        later copy may count more of this step's norms, never another step's); 0.0 without ``partial``.
+        ``row``: the step's row (``clip_check``), this step's by default."""
+        if self._partial_host is None:
+            return 0.0
+        return float(self._partial_host[self._row if row is None else row, index])
 
-    def last_share(self, index: int) -> float | None:
+    def last_share(self, index: int, row: int | None = None) -> float | None:
         """The share of the last step's norm's square measured by the time subgroup ``index``'s gradients went
         down then: ``partial_sq`` over it forecasts this step's (layers' shares move little between steps); None
-        where not known (no last step with ``partial``, or the subgroup did not go down in it). Read once this
-        step's gradients of the subgroup have landed (the last step's copies ran before them on the stream)."""
+        where not known (no last step with ``partial``, the subgroup did not go down in it, or its norm was not
+        finite). Read once this step's gradients of the subgroup have landed (the last step's copies ran before
+        them on the stream). ``row``: this step's row, as for ``partial_sq``."""
         if self._partial_host is None:
             return None
-        last = 1 - self._row
+        last = 1 - (self._row if row is None else row)
         total, part = float(self._total_host[last]), float(self._partial_host[last, index])
-        return part / total if total > 0.0 and part > 0.0 else None
+        return part / total if math.isfinite(total) and total > 0.0 and part > 0.0 else None
+
+    def clip_check(self, index: int, limit_sq: float, forecast: bool = False) -> Callable[[], bool]:
+        """For an update run ahead of subgroup ``index``, called on the worker once its gradients have landed:
+        whether this step's clip at ``limit_sq`` (a squared norm) will scale them, the norm measured by then
+        over it; with ``forecast``, likely will: that norm over the last step's share by the same point
+        (``last_share``). This step's row is taken now, so a task still queued after the step's end (one the
+        step kept) reads its own step's sums, not the next one's."""
+        row = self._row
+
+        def over() -> bool:
+            share = self.last_share(index, row) if forecast else None
+            return self.partial_sq(index, row) > limit_sq * (1.0 if share is None else share)
+        return over
 
     def _record_total(self) -> None:
         """As backward ends, with ``partial``: this step's whole sum of squares into its host slot (on the side

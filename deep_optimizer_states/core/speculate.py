@@ -11,7 +11,9 @@ hyper-parameters and spans), and otherwise copies the spare back, bit for bit th
 update takes the subgroup the usual way. A subgroup whose gradients landed after the norm measured so far
 already passed the clip's (``over``) stands down before its copy aside: that step will scale its gradients,
 and the update takes it the usual way (``step()`` then never keeps it; should it have, the engine updates it
-the usual way too). Whatever reads or writes the host states in between
+the usual way too). With ``optimizer.STAND_DOWN = "forecast"`` it stands down once that norm, over the share
+of the last step's norm measured by the same point, passes the clip's (``GradStream.clip_check``): a clip that
+lasts is then seen from the first subgroup, and a wrong forecast costs an undo or a head start. Whatever reads or writes the host states in between
 (``opt.state``, ``state_dict``, a weight edit, ``zero_grad``) undoes first. The cost: the copy aside through
 host memory, at a time when host memory idles: 24 B per element more with torch's kernel (a copy pass), 12 B
 with the bf16 kernel (``bf16_cpu_path``), which writes the copy in its own pass over states it reads anyway;
