@@ -137,8 +137,8 @@ def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], e
 
 
 def without_stand_down(monkeypatch) -> None:
-    """Updates run ahead (``speculate``) never stand down: the norm landed before each reads 0, so a step that
-    clips undoes them, the path taken where the norm passes the clip only after they started."""
-    from deep_optimizer_states.core.grad_stream import GradStream
+    """Updates run ahead (``speculate``) never stand down (``optimizer.STAND_DOWN`` off), so a step that clips
+    undoes them: the path taken where the norm passes the clip only after they started."""
+    from deep_optimizer_states import optimizer as optimizer_module
 
-    monkeypatch.setattr(GradStream, "partial_sq", lambda self, index: 0.0)
+    monkeypatch.setattr(optimizer_module, "STAND_DOWN", False)
