@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 
 from deep_optimizer_states import DeepOptimizerStates
+from deep_optimizer_states import optimizer as optimizer_module
 from deep_optimizer_states.core.fsdp_api import MixedPrecisionPolicy, fully_shard
 
 ROWS = 6  # rows of one global micro-batch: divisible by 1, 2 and 3 ranks
@@ -140,9 +141,10 @@ def train_mode(steps: int, schedule, stream: bool, fill_ahead: bool = False, spe
             assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(model.parameters(), twin.parameters()))
             assert opt.last_grad_norm.item() == twin_opt.last_grad_norm.item()
     if speculate:
-        assert opt.speculation.kept > 0, "no update ran ahead and was kept"
-        print(f"rank {dist.get_rank()}: {opt.speculation.kept} updates run ahead and kept, "
-              f"{opt.speculation.undone} undone", flush=True)
+        spec = opt.speculation
+        assert spec.kept + spec.undone + spec.stood_down > 0, "no update ran ahead or stood down"
+        print(f"rank {dist.get_rank()}: {spec.kept} updates run ahead and kept, {spec.undone} undone, "
+              f"{spec.stood_down} stood down", flush=True)
     if peer:
         print(f"rank {dist.get_rank()}: equal FSDP2 + torch AdamW bit for bit", flush=True)
     if fill_ahead:
@@ -425,10 +427,15 @@ def main() -> None:
     ap.add_argument("--speculate", action="store_true", help="train, nonfinite: ours with speculate=True")
     ap.add_argument("--peer", action="store_true", help="train: beside FSDP2 + torch AdamW, bit for bit (unclipped)")
     ap.add_argument("--max-norm", type=float, default=MAX_NORM, help="the global norm clipped to")
+    ap.add_argument("--stand-down", default=None, choices=["forecast", "off"],
+                    help="train: optimizer.STAND_DOWN for ours ('forecast' also runs updates ahead after a clip)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: NCCL, one GPU per rank")
     args = ap.parse_args()
     schedule = int(args.schedule) if args.schedule.isdigit() else args.schedule
     MAX_NORM = args.max_norm
+    if args.stand_down is not None:
+        optimizer_module.STAND_DOWN = "forecast" if args.stand_down == "forecast" else False
+        optimizer_module.SIT_OUT_AFTER_CLIP = args.stand_down != "forecast"
     if args.device == "cuda":
         DEVICE = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(DEVICE)
