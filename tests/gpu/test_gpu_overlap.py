@@ -149,8 +149,10 @@ def test_the_plan_learns_the_overlapped_iteration_on_real_streams():
 def test_updates_run_ahead_with_a_forecast_of_the_clip_change_no_bit_on_spikes(overlap, monkeypatch):
     """``optimizer.STAND_DOWN = "forecast"``, updates run ahead on every step, on real streams: the last step's
     share of the norm landed by each subgroup comes off the side stream before this step's gradients, so a
-    spike's step (the loss x4, clipped at twice the usual norm) stands each update ahead down, none undone, and
-    the steps around it keep theirs. Bit for bit the run that neither streams nor runs ahead, same spikes."""
+    spike's step (the loss x16, clipped at three times the first step's norm) stands each update ahead down, none
+    undone, and the steps around it keep theirs. Bit for bit the run that neither streams nor runs ahead, same
+    spikes. (x4 at twice the norm failed on H100 call 171: training halves the norm by the second spike; on
+    CPU over seeds 0-5 the unspiked steps' norms reach 0.44-1.51 of the first's, the x16 spikes' 7.5-17.4.)"""
     monkeypatch.setattr(optimizer_module, "SIT_OUT_AFTER_CLIP", False)
     monkeypatch.setattr(optimizer_module, "STAND_DOWN", "forecast")
     seed = int.from_bytes(os.urandom(4), "little")
@@ -160,10 +162,10 @@ def test_updates_run_ahead_with_a_forecast_of_the_clip_change_no_bit_on_spikes(o
     x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(seed)).to("cuda", torch.bfloat16)
     probe(x).float().pow(2).mean().backward()
     usual = float(torch.stack([p.grad.float().norm() for p in probe.parameters()]).norm())
-    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=2 * usual, schedule="cpu")
+    kwargs = dict(lr=1e-3, subgroup_size=1_000_000, max_grad_norm=3 * usual, schedule="cpu")
     ours = DeepOptimizerStates(model, overlap=overlap, stream_grads=True, speculate=True, **kwargs)
     ref = DeepOptimizerStates(twin, **kwargs)
-    scales = [1.0, 1.0, 4.0, 1.0, 1.0, 4.0, 1.0]
+    scales = [1.0, 1.0, 16.0, 1.0, 1.0, 16.0, 1.0]
 
     def losses(m, opt):
         gen, out, clipped = torch.Generator().manual_seed(seed), [], []
@@ -173,7 +175,7 @@ def test_updates_run_ahead_with_a_forecast_of_the_clip_change_no_bit_on_spikes(o
             out.append(loss.detach().clone())
             (loss * scale).backward()
             opt.step()
-            clipped.append(float(opt.last_grad_norm) > 2 * usual)
+            clipped.append(float(opt.last_grad_norm) > 3 * usual)
         return out, clipped
 
     (got, clipped), (want, _) = losses(model, ours), losses(twin, ref)
