@@ -139,7 +139,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             opt.schedule = tuple(spread(count, round(staged_share * count)))
 
         history = []  # per step: the plan's staged subgroups and predicted seconds, the last finished update and
-        # where its time went (CPU AdamW, the staged window, each lane's busy seconds)
+        # where its time went (CPU AdamW, the staged window, each lane's busy seconds), and with `speculate` what
+        # the updates run ahead came to by then (counts since the start: a step's own are the difference)
         norms = []  # per step: the global gradient norm, kept on the GPU (read at the end: no sync in the loop)
 
         def step():
@@ -165,7 +166,8 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
                             "speculated": None if u is None else u.speculated,
                             "cpu_adam_s": None if u is None else round(u.cpu_adam_seconds, 4),
                             "staged_window_s": None if u is None else round(u.staged_window_s, 4),
-                            "lanes_busy_s": None if u is None else {k: round(v, 4) for k, v in u.lane_seconds.items()}})
+                            "lanes_busy_s": None if u is None else {k: round(v, 4) for k, v in u.lane_seconds.items()},
+                            **({} if opt.speculation is None else {"run_ahead": run_ahead(opt.speculation)})})
 
         def extra() -> dict:
             opt.synchronize()  # with overlap, the last update may still run
@@ -188,8 +190,7 @@ def ours(schedule: str | int, stream_grads: bool = False, overlap: bool = False,
             info["grad_norms"] = [None if n is None else round(n, 4) for n in info["grad_norms"]]
             if opt.speculation is not None:
                 spec = opt.speculation
-                info["run_ahead"] = {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off,
-                                     "stood_down": spec.stood_down}
+                info["run_ahead"] = run_ahead(spec)
             if opt.plan.prediction is not None:
                 info["predicted_update_s"] = opt.plan.prediction.seconds
                 # what the last plan was priced with: to compare with the update's telemetry after the run
@@ -242,6 +243,11 @@ def gpu_adamw(preset: str, device: torch.device, batch: int) -> Trainer:
     model = llama(preset, torch.float32, device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     return _plain(model, opt, device, "torch.optim.AdamW(fused=True), fp32 params on the GPU, bf16 autocast")
+
+
+def run_ahead(spec) -> dict:
+    """What the updates run ahead came to since the optimizer was built (``opt.speculation``'s counts)."""
+    return {"kept": spec.kept, "undone": spec.undone, "called_off": spec.called_off, "stood_down": spec.stood_down}
 
 
 def spiked(build: Callable[[str, torch.device, int], Trainer],

@@ -225,11 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     if splits:
         print(f"\n| file | system | model | iteration s | walls of steps the clip scaled (n, median s) "
               f"| of those, after a step under it (n, median s) | the two after each of those (n, median s) "
-              f"| walls of steps under the clip, after two under it (n, median s) |\n" + "|---" * 8 + "|")
+              f"| walls of steps under the clip, after two under it (n, median s) "
+              f"| run ahead undone / stood down: at onsets; other steps the clip scaled; steps under it |\n"
+              + "|---" * 9 + "|")
         for path, row, split in splits:
+            ahead = run_ahead_split(row)
             print(f"| {path.parent.name}/{path.name} | {row['system']} | {row['model']} | {row['iter_s']:.3f} | "
                   f"{_walls(split['clipped'])} | {_walls(split['onset'])} | {_walls(split['after_onset'])} | "
-                  f"{_walls(split['steady'])} |")
+                  f"{_walls(split['steady'])} | "
+                  + ("-" if ahead is None else "; ".join(f"{u} / {s}" for u, s in ahead.values())) + " |")
     for (model, name), pairs in by_model.items():
         _print_correlation(f"{model}: {name} against the iteration", pairs)
     for model, pairs in fills.items():
@@ -261,6 +265,25 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
     after_onset = [w for j, w in enumerate(walls) if {first + j - 1, first + j - 2} & onsets]
     steady = [w for j, w in enumerate(walls) if first + j >= 2 and not any(scaled[first + j - 2: first + j + 1])]
     return {"clipped": clipped, "onset": onset, "after_onset": after_onset, "steady": steady}
+
+
+def run_ahead_split(row: dict, max_norm: float = CLIP) -> dict[str, tuple[int, int]] | None:
+    """The updates run ahead undone and stood down (counted from the first step, warm-up included) at the
+    clip's onsets (a step it scaled after one it did not), at the other steps it scaled, and at steps under it;
+    None for a row whose steps do not record them (``history``'s ``run_ahead``, from the fifty-fifth session)."""
+    norms, history = row.get("grad_norms"), row.get("history") or []
+    if not norms or len(history) != len(norms) or any("run_ahead" not in h for h in history):
+        return None
+    scaled = [n is not None and n + 1e-6 > max_norm for n in norms]
+    out = {"onset": [0, 0], "scaled": [0, 0], "under": [0, 0]}
+    before = {"undone": 0, "stood_down": 0}
+    for k, h in enumerate(history):
+        now = h["run_ahead"]
+        kind = ("onset" if k and not scaled[k - 1] else "scaled") if scaled[k] else "under"
+        out[kind][0] += now["undone"] - before["undone"]
+        out[kind][1] += now["stood_down"] - before["stood_down"]
+        before = now
+    return {k: (u, s) for k, (u, s) in out.items()}
 
 
 def _walls(walls: list[float]) -> str:

@@ -281,6 +281,10 @@ def test_a_clipped_run_of_ours_records_each_steps_norm_and_the_steps_the_clip_sc
     # a fresh tiny model's norms exceed 1: its updates run ahead stood down (the norm landed first over 1) or
     # were undone
     assert row["clipped_steps"] and row["run_ahead"]["undone"] + row["run_ahead"]["stood_down"]
+    # per step, the counts so far: never falling, the last step's the row's (which steps undid, which stood down)
+    counts = [h["run_ahead"] for h in row["history"]]
+    assert counts[-1] == row["run_ahead"]
+    assert all(a[k] <= b[k] for a, b in zip(counts, counts[1:]) for k in a)
 
 
 def test_the_loss_reference_trains_like_ours_step_for_step():
@@ -614,10 +618,29 @@ def test_walls_split_a_clipped_runs_walls_by_what_the_clip_did(tmp_path, capsys)
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(row) + "\n")
     walls.main([str(results)])
-    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 0, - | 0, - | 3, 0.300 |" in capsys.readouterr().out
+    assert "| ours_clip | 1.36b | 1.000 | 2, 0.405 | 0, - | 0, - | 3, 0.300 | - |" in capsys.readouterr().out
     results.write_text(json.dumps(plain) + "\n")
     walls.main([str(results)])
     assert "walls of steps the clip scaled" not in capsys.readouterr().out
+
+
+def test_walls_count_the_updates_run_ahead_undone_and_stood_down_by_what_the_clip_did(tmp_path, capsys):
+    """Each step's record carries the run-ahead counts so far: their differences, summed over the clip's
+    onsets, its other scaled steps and the steps under it, say where undos and stand-downs came from (the
+    rows' totals cannot); a row whose steps do not carry them has none."""
+    spikes = [7.0, 6.0, 0.5, 0.5, 4.0, 0.9, 0.5, 0.4, 3.0, 0.2]  # onsets: steps 4 and 8 (from 0)
+    per_step = [(9, 0), (0, 20), (0, 0), (1, 0), (0, 25), (0, 0), (0, 0), (0, 0), (2, 23), (0, 0)]
+    history, undone, stood = [], 0, 0
+    for u, s in per_step:
+        undone, stood = undone + u, stood + s
+        history.append({"run_ahead": {"kept": 0, "undone": undone, "called_off": 0, "stood_down": stood}})
+    row = _row("ours_clip", iter_walls_s=[0.3] * 7, grad_norms=spikes, clipped_steps=4, history=history)
+    assert walls.run_ahead_split(row) == {"onset": (2, 48), "scaled": (9, 20), "under": (1, 0)}
+    assert walls.run_ahead_split({**row, "history": [{}] * 10}) is None
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(row) + "\n")
+    walls.main([str(results)])
+    assert "| 2 / 48; 9 / 20; 1 / 0 |" in capsys.readouterr().out
 
 
 def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, capsys):
