@@ -101,8 +101,9 @@ def _budget(b: float | None) -> str:
 
 def reference_of(system: str) -> str:
     """The reference run a run of ours is checked against: clipped for a clipped system, with the same loss
-    spikes for one with spikes."""
-    return REFERENCE + ("_clip" if "_clip" in system else "") + ("_spikes" if "_spikes" in system else "")
+    spikes for one with spikes, the same loss factors for one whose norm hovers about the clip."""
+    return (REFERENCE + ("_clip" if "_clip" in system else "") + ("_spikes" if "_spikes" in system else "")
+            + ("_hover" if "_hover" in system else ""))
 
 
 def loss_gap(row: dict, ref: dict) -> float:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import dist_estimate, host_load, rate_fit, report, rounds, run_system, suite, walls
+from bench import dist_estimate, host_load, rate_fit, report, rounds, run_system, suite, systems, walls
 from bench.free_loop import PARTS, free_running
 from bench.systems import CLIP, REFERENCE
 from deep_optimizer_states.core import cpu_adamw
@@ -314,6 +314,26 @@ def test_clipped_runs_of_ours_are_checked_against_the_clipped_reference():
     rows = [_row(REFERENCE, losses=plain), _row(REFERENCE + "_clip", losses=ref),
             _row("ours_offload_overlap_clip", losses=ours)]
     assert report.check_losses(rows) == []
+
+
+def test_a_hovering_runs_norm_keeps_about_the_clip_and_its_reference_scales_alike():
+    """``_hover``: each loss scaled by a power of 2 from the last step's norm, so the norm keeps about the clip
+    (some steps over it, some under, none far off: a memorised batch's norm otherwise falls under it for good
+    and stays); the reference with the same factors follows ours, and the loss check picks it."""
+    def run(system):
+        return run_system.run(system, "tiny", None, iters=4, warmup=1, micro_batch=2, seq=32,
+                              device=torch.device("cpu"))
+
+    ours, ref = run("ours_offload_overlap_clip_spec_prefetch_bf16_hover"), run(REFERENCE + "_clip_hover")
+    assert ours["status"] == ref["status"] == "ok", ours.get("traceback") or ref.get("traceback")
+    later = ours["grad_norms"][2:]  # the first steps aim from the unscaled norm
+    low, high = systems.HOVER_AIMS
+    assert any(n > CLIP for n in later) and any(n < CLIP for n in later)
+    assert all(low / 4 < n < high * 4 for n in later), later
+    assert report.reference_of(ours["system"]) == REFERENCE + "_clip_hover"
+    assert max(abs(a - b) / b for a, b in zip(ours["losses"], ref["losses"])) < 1e-3
+    assert report.check_losses([_row(REFERENCE + "_clip_hover", losses=ref["losses"]),
+                                _row(ours["system"], losses=ours["losses"])]) == []
 
 
 def test_a_peer_that_is_not_installed_is_reported_not_hidden():
