@@ -509,8 +509,9 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
         defaults(clip=True, stand_down="forecast", sit_out=False), SPIKE_EVERY),
     # clipped, the norm hovering about the clip (`hovering`: the loss scaled step by step), as fine-tuning at
     # max_grad_norm=1.0 often has it: the default pauses after each clip and undoes what ran ahead before the
-    # norm landed passed it; the forecast runs ahead on every step and is most often wrong here. Loss check
-    # against `gpu_adamw_bf16_masters_clip_hover`
+    # norm landed passed it; the forecast runs ahead on every step, and a forecast of the clip is likeliest
+    # wrong where the norm keeps near it. Not run on a GPU yet. Loss check against
+    # `gpu_adamw_bf16_masters_clip_hover`
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover": hovering(defaults(clip=True)),
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover_forecast": hovering(
         defaults(clip=True, stand_down="forecast", sit_out=False)),
