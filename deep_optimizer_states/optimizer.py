@@ -53,7 +53,8 @@ SIT_OUT_AFTER_CLIP = True
 # a step that clips undoes it, to measure the stand-down against. "forecast" (bench systems `_forecast`, which
 # also run updates ahead after a clip): it stands down once that norm, over the share of the last step's norm
 # measured by the same point, passes the clip's; a forecast, so a wrong one costs an undo or a head start, never
-# exactness. Not measured on a GPU yet: not the default. Under FSDP2 both read this rank's norms, at most the
+# exactness. On H100s (overlap.md calls 171-177) its iteration was not told apart from the default's, so it
+# is not the default. Under FSDP2 both read this rank's norms, at most the
 # global one: a clip is found later, the more ranks the later.
 STAND_DOWN: bool | str = True
 _STAND_DOWN_MODES = (True, False, "forecast")
