@@ -277,31 +277,40 @@ def spiked(build: Callable[[str, torch.device, int], Trainer],
 def hovering(build: Callable[[str, torch.device, int], Trainer]) -> Callable[[str, torch.device, int], Trainer]:
     """``build``'s system (clipped) with each loss scaled so that the gradient norm hovers about the clip, as
     fine-tuning at ``max_grad_norm=1.0`` often has it: after each step the next loss's factor is the power of 2
-    (exact on bf16 gradients) that would have taken this step's norm nearest the next aim, drawn log-uniform in
-    ``HOVER_AIMS`` (seeded: ours and its reference draw the same). The factor is worked out on the device from
-    the step's norm tensor, so the loop gains no sync; each system follows its own norms (ours and the
-    reference's agree to the loss check's tolerance, and a factor is a power of 2 either way)."""
+    (exact on bf16 gradients) that would have taken this step's unscaled norm nearest the next aim, drawn
+    log-uniform in ``HOVER_AIMS`` (seeded: ours and its reference draw the same, one draw a step); a norm that
+    is not finite halves the factor. The factor is worked out on the device from the step's norm tensor, so
+    the loop gains no sync; the row's ``hover_factors`` (read at the end) are those each backward took. Each
+    system follows its own norms, so ours and its reference may round a factor apart where the aim falls
+    between two powers of 2: their ``hover_factors`` say whether they did."""
     def build_hovering(preset: str, device: torch.device, batch: int) -> Trainer:
         trainer = build(preset, device, batch)
-        factor, draw = torch.ones((), device=device), random.Random(0)
+        factor, taken, draw = torch.ones((), device=device), [], random.Random(0)
         low, high = (math.log2(a) for a in HOVER_AIMS)
-        inner_backward, inner_step = trainer.backward, trainer.step
+        inner_backward, inner_step, inner_extra = trainer.backward, trainer.step, trainer.extra
 
         def backward(loss: torch.Tensor) -> None:
+            taken.append(factor)
             inner_backward(loss * factor)
 
         def step() -> None:
+            nonlocal factor
             inner_step()
             norm = trainer.grad_norm()
             if norm is None:
-                raise ValueError("a hovering system needs its trainer's grad_norm: build it with a clip")
+                raise ValueError("a hovering system needs the norm of each step's gradients (Trainer.grad_norm): "
+                                 "ours records it, the reference only when built with a clip")
             aim = 2.0 ** draw.uniform(low, high)
             with torch.no_grad():
                 unscaled = norm.detach().float().to(device) / factor
-                nxt = torch.exp2(torch.round(torch.log2(aim / unscaled))).clamp(2.0 ** -24, 2.0 ** 24)
-                factor.copy_(torch.where(torch.isfinite(unscaled) & (unscaled > 0), nxt, factor))
+                nxt = torch.exp2(torch.round(torch.log2(aim / unscaled)))
+                ok = torch.isfinite(unscaled) & (unscaled > 0)
+                factor = torch.where(ok, nxt, factor / 2).clamp(2.0 ** -24, 2.0 ** 24)
 
-        return replace(trainer, backward=backward, step=step,
+        def extra() -> dict:
+            return {**inner_extra(), "hover_factors": [float(f) for f in taken]}
+
+        return replace(trainer, backward=backward, step=step, extra=extra,
                        settings=f"{trainer.settings}; each loss x a power of 2 aiming the norm at "
                                 f"{HOVER_AIMS[0]:g}-{HOVER_AIMS[1]:g}, about the clip")
     return build_hovering

@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n| file | system | model | iteration s | walls of steps the clip scaled (n, median s) "
               f"| of those, after a step under it (n, median s) | the two after each of those (n, median s) "
               f"| walls of steps under the clip, after two under it (n, median s) "
-              f"| run ahead undone / stood down: at onsets; other steps the clip scaled; steps under it |\n"
+              f"| run ahead in those walls, undone / stood down: at onsets; other steps the clip scaled; steps "
+              f"under it |\n"
               + "|---" * 9 + "|")
         for path, row, split in splits:
             ahead = run_ahead_split(row)
@@ -268,17 +269,20 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
 
 
 def run_ahead_split(row: dict, max_norm: float = CLIP) -> dict[str, tuple[int, int]] | None:
-    """The updates run ahead undone and stood down (counted from the first step, warm-up included) at the
-    clip's onsets (a step it scaled after one it did not), at the other steps it scaled, and at steps under it;
-    None for a row whose steps do not record them (``history``'s ``run_ahead``, from the fifty-fifth session)."""
-    norms, history = row.get("grad_norms"), row.get("history") or []
-    if not norms or len(history) != len(norms) or any("run_ahead" not in h for h in history):
+    """The updates run ahead undone and stood down in the timed walls' steps (those ``clip_split`` splits:
+    warm-up and synchronised steps left out, whose gradients have all landed before the step) at the clip's
+    onsets (a step it scaled after one it did not), at the other steps it scaled, and at steps under it; None
+    for a row whose steps do not record them (``history``'s ``run_ahead``, from the fifty-fifth session)."""
+    norms, walls, history = row.get("grad_norms"), row.get("iter_walls_s"), row.get("history") or []
+    if (not norms or not walls or len(norms) < len(walls) or len(history) != len(norms)
+            or any("run_ahead" not in h for h in history)):
         return None
+    first = len(norms) - len(walls)
     scaled = [n is not None and n + 1e-6 > max_norm for n in norms]
     out = {"onset": [0, 0], "scaled": [0, 0], "under": [0, 0]}
-    before = {"undone": 0, "stood_down": 0}
-    for k, h in enumerate(history):
-        now = h["run_ahead"]
+    before = history[first - 1]["run_ahead"] if first else {"undone": 0, "stood_down": 0}
+    for k in range(first, len(norms)):
+        now = history[k]["run_ahead"]
         kind = ("onset" if k and not scaled[k - 1] else "scaled") if scaled[k] else "under"
         out[kind][0] += now["undone"] - before["undone"]
         out[kind][1] += now["stood_down"] - before["stood_down"]

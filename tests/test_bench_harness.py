@@ -2,7 +2,9 @@
 
 import argparse
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -284,6 +286,7 @@ def test_a_clipped_run_of_ours_records_each_steps_norm_and_the_steps_the_clip_sc
     # per step, the counts so far: never falling, the last step's the row's (which steps undid, which stood down)
     counts = [h["run_ahead"] for h in row["history"]]
     assert counts[-1] == row["run_ahead"]
+    assert counts[0]["undone"] + counts[0]["stood_down"] > 0  # the first step's own, recorded at that step
     assert all(a[k] <= b[k] for a, b in zip(counts, counts[1:]) for k in a)
 
 
@@ -317,21 +320,38 @@ def test_clipped_runs_of_ours_are_checked_against_the_clipped_reference():
 
 
 def test_a_hovering_runs_norm_keeps_about_the_clip_and_its_reference_scales_alike():
-    """``_hover``: each loss scaled by a power of 2 from the last step's norm, so the norm keeps about the clip
-    (some steps over it, some under, none far off: a memorised batch's norm otherwise falls under it for good
-    and stays); the reference with the same factors follows ours, and the loss check picks it."""
+    """``_hover``: each loss scaled by a power of 2 from the last step's unscaled norm and the next aim, so the
+    norm keeps about the clip (some steps over it, some under, none far off); the factors each backward took
+    are in the row, the reference took the same and follows ours, and the loss check picks it. Where the
+    clip scales a step its updates run ahead stand down or are undone, where it does not they are kept: the
+    per-step counts change on the right steps."""
     def run(system):
         return run_system.run(system, "tiny", None, iters=4, warmup=1, micro_batch=2, seq=32,
                               device=torch.device("cpu"))
 
     ours, ref = run("ours_offload_overlap_clip_spec_prefetch_bf16_hover"), run(REFERENCE + "_clip_hover")
     assert ours["status"] == ref["status"] == "ok", ours.get("traceback") or ref.get("traceback")
-    later = ours["grad_norms"][2:]  # the first steps aim from the unscaled norm
-    low, high = systems.HOVER_AIMS
+    norms, factors = ours["grad_norms"], ours["hover_factors"]
+    assert len(factors) == len(norms) and factors[0] == 1.0 and factors == ref["hover_factors"]
+    assert all(math.log2(f) == round(math.log2(f)) for f in factors)  # powers of 2: exact on the gradients
+    draw, (low, high) = random.Random(0), systems.HOVER_AIMS
+    for k in range(len(norms) - 1):  # the next factor brings this step's unscaled norm nearest the next aim
+        aim = 2.0 ** draw.uniform(math.log2(low), math.log2(high))
+        assert abs(math.log2(factors[k + 1]) - math.log2(aim * factors[k] / norms[k])) <= 0.5 + 1e-3, k
+    later = norms[1:]  # the first step is unscaled
     assert any(n > CLIP for n in later) and any(n < CLIP for n in later)
     assert all(low / 4 < n < high * 4 for n in later), later
     assert report.reference_of(ours["system"]) == REFERENCE + "_clip_hover"
-    assert max(abs(a - b) / b for a, b in zip(ours["losses"], ref["losses"])) < 1e-3
+    assert max(abs(a - b) / b for a, b in zip(ours["losses"], ref["losses"])) < 1e-5
+    before = {"kept": 0, "undone": 0, "stood_down": 0}
+    for n, h in zip(norms, ours["history"]):
+        now = h["run_ahead"]
+        if n > CLIP:
+            assert now["kept"] == before["kept"]
+        else:
+            assert (now["undone"], now["stood_down"]) == (before["undone"], before["stood_down"])
+        before = now
+    assert before["kept"] and before["undone"] + before["stood_down"]
     assert report.check_losses([_row(REFERENCE + "_clip_hover", losses=ref["losses"]),
                                 _row(ours["system"], losses=ours["losses"])]) == []
 
@@ -645,22 +665,23 @@ def test_walls_split_a_clipped_runs_walls_by_what_the_clip_did(tmp_path, capsys)
 
 
 def test_walls_count_the_updates_run_ahead_undone_and_stood_down_by_what_the_clip_did(tmp_path, capsys):
-    """Each step's record carries the run-ahead counts so far: their differences, summed over the clip's
-    onsets, its other scaled steps and the steps under it, say where undos and stand-downs came from (the
-    rows' totals cannot); a row whose steps do not carry them has none."""
-    spikes = [7.0, 6.0, 0.5, 0.5, 4.0, 0.9, 0.5, 0.4, 3.0, 0.2]  # onsets: steps 4 and 8 (from 0)
-    per_step = [(9, 0), (0, 20), (0, 0), (1, 0), (0, 25), (0, 0), (0, 0), (0, 0), (2, 23), (0, 0)]
+    """Each step's record carries the run-ahead counts so far: their differences over the timed walls' steps
+    (the 3 warm-up steps left out, as the walls' columns leave them), summed over the clip's onsets, its other
+    scaled steps and the steps under it, say where undos and stand-downs came from (the rows' totals cannot);
+    a row whose steps do not carry them has none."""
+    spikes = [7.0, 6.0, 0.5, 0.5, 4.0, 1.5, 0.5, 0.4, 3.0, 0.2]  # onsets: steps 4 and 8 (from 0); 5 scaled after 4
+    per_step = [(9, 0), (0, 20), (0, 0), (1, 0), (0, 25), (3, 7), (0, 0), (0, 0), (2, 23), (0, 0)]
     history, undone, stood = [], 0, 0
     for u, s in per_step:
         undone, stood = undone + u, stood + s
         history.append({"run_ahead": {"kept": 0, "undone": undone, "called_off": 0, "stood_down": stood}})
     row = _row("ours_clip", iter_walls_s=[0.3] * 7, grad_norms=spikes, clipped_steps=4, history=history)
-    assert walls.run_ahead_split(row) == {"onset": (2, 48), "scaled": (9, 20), "under": (1, 0)}
+    assert walls.run_ahead_split(row) == {"onset": (2, 48), "scaled": (3, 7), "under": (1, 0)}
     assert walls.run_ahead_split({**row, "history": [{}] * 10}) is None
     results = tmp_path / "results.jsonl"
     results.write_text(json.dumps(row) + "\n")
     walls.main([str(results)])
-    assert "| 2 / 48; 9 / 20; 1 / 0 |" in capsys.readouterr().out
+    assert "| 2 / 48; 3 / 7; 1 / 0 |" in capsys.readouterr().out
 
 
 def test_walls_show_the_gpu_allocators_new_segments_and_what_it_held(tmp_path, capsys):
