@@ -10,6 +10,7 @@ imported only when their system is asked for.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -609,11 +610,10 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "fsdp2_offload": fsdp2_offload,
     "gpu_adamw": gpu_adamw,
     "gpu_adamw_bf16_masters": gpu_adamw_bf16_masters,
-    "gpu_adamw_bf16_masters_clip": lambda preset, device, batch: gpu_adamw_bf16_masters(preset, device, batch, CLIP),
-    "gpu_adamw_bf16_masters_clip_spikes": spiked(lambda preset, device, batch: gpu_adamw_bf16_masters(
-        preset, device, batch, CLIP), SPIKE_EVERY),
-    "gpu_adamw_bf16_masters_clip_hover": hovering(lambda preset, device, batch: gpu_adamw_bf16_masters(
-        preset, device, batch, CLIP)),
+    "gpu_adamw_bf16_masters_clip": functools.partial(gpu_adamw_bf16_masters, max_grad_norm=CLIP),
+    "gpu_adamw_bf16_masters_clip_spikes": spiked(functools.partial(gpu_adamw_bf16_masters, max_grad_norm=CLIP),
+                                                 SPIKE_EVERY),
+    "gpu_adamw_bf16_masters_clip_hover": hovering(functools.partial(gpu_adamw_bf16_masters, max_grad_norm=CLIP)),
 }
 OURS = "ours_auto"
 REFERENCE = "gpu_adamw_bf16_masters"  # the loss check's reference: the same numerics as ours

@@ -242,6 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _timed_steps(row: dict, max_norm: float) -> tuple[int, list[bool]] | None:
+    """The step of the first timed wall (the walls are the last of the steps the norms were recorded for) and,
+    per step, whether the clip scaled it; None without a norm for every wall."""
+    norms, walls = row.get("grad_norms"), row.get("iter_walls_s")
+    if not norms or not walls or len(norms) < len(walls):
+        return None
+    return len(norms) - len(walls), [n is not None and n + 1e-6 > max_norm for n in norms]
+
+
+def _clip_did(k: int, scaled: list[bool]) -> str:
+    """Step ``k``: "onset" (the clip scaled it, not the step before), "scaled" (the clip scaled it and the step
+    before, or it is the first) or "under"."""
+    return ("onset" if k and not scaled[k - 1] else "scaled") if scaled[k] else "under"
+
+
 def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
     """A clipped run's timed walls split by what the clip did, None for a run without ``clipped_steps``.
 
@@ -252,16 +267,15 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
     onset runs beside the next forward, and the step after a clip runs none ahead by default); ``steady``:
     walls of steps under the clip whose two steps before were under it too (the update of the step before ran
     ahead, and so did this one's: ``speculate`` is off for the step after one that clipped); the rest,
-    between, counted in neither. The walls are the last of the steps the
-    norms were recorded for (warm-up first). A memorised batch's norm falls under 1.0 after about 8 steps:
+    between, counted in neither (``_timed_steps``: which steps the walls are). A memorised batch's norm falls under 1.0 after about 8 steps:
     a loop timed from the third step times 5 that clip (rows run without phases, from 2026-12-04)."""
-    norms, walls = row.get("grad_norms"), row.get("iter_walls_s")
-    if "clipped_steps" not in row or not norms or not walls or len(norms) < len(walls):
+    steps = _timed_steps(row, max_norm)
+    if "clipped_steps" not in row or steps is None:
         return None
-    first = len(norms) - len(walls)
-    scaled = [n is not None and n + 1e-6 > max_norm for n in norms]
+    first, scaled = steps
+    walls = row["iter_walls_s"]
     clipped = [w for j, w in enumerate(walls) if scaled[first + j]]
-    onsets = {k for k in range(max(first, 1), first + len(walls)) if scaled[k] and not scaled[k - 1]}
+    onsets = {k for k in range(first, first + len(walls)) if _clip_did(k, scaled) == "onset"}
     onset = [w for j, w in enumerate(walls) if first + j in onsets]
     after_onset = [w for j, w in enumerate(walls) if {first + j - 1, first + j - 2} & onsets]
     steady = [w for j, w in enumerate(walls) if first + j >= 2 and not any(scaled[first + j - 2: first + j + 1])]
@@ -273,17 +287,15 @@ def run_ahead_split(row: dict, max_norm: float = CLIP) -> dict[str, tuple[int, i
     warm-up and synchronised steps left out, whose gradients have all landed before the step) at the clip's
     onsets (a step it scaled after one it did not), at the other steps it scaled, and at steps under it; None
     for a row whose steps do not record them (``history``'s ``run_ahead``, from the fifty-fifth session)."""
-    norms, walls, history = row.get("grad_norms"), row.get("iter_walls_s"), row.get("history") or []
-    if (not norms or not walls or len(norms) < len(walls) or len(history) != len(norms)
-            or any("run_ahead" not in h for h in history)):
+    steps, history = _timed_steps(row, max_norm), row.get("history") or []
+    if steps is None or len(history) != len(steps[1]) or any("run_ahead" not in h for h in history):
         return None
-    first = len(norms) - len(walls)
-    scaled = [n is not None and n + 1e-6 > max_norm for n in norms]
+    first, scaled = steps
     out = {"onset": [0, 0], "scaled": [0, 0], "under": [0, 0]}
     before = history[first - 1]["run_ahead"] if first else {"undone": 0, "stood_down": 0}
-    for k in range(first, len(norms)):
+    for k in range(first, len(scaled)):
         now = history[k]["run_ahead"]
-        kind = ("onset" if k and not scaled[k - 1] else "scaled") if scaled[k] else "under"
+        kind = _clip_did(k, scaled)
         out[kind][0] += now["undone"] - before["undone"]
         out[kind][1] += now["stood_down"] - before["stood_down"]
         before = now
