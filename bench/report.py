@@ -101,9 +101,10 @@ def _budget(b: float | None) -> str:
 
 def reference_of(system: str) -> str:
     """The reference run a run of ours is checked against: clipped for a clipped system, with the same loss
-    spikes for one with spikes, the same loss factors for one whose norm hovers about the clip."""
+    spikes for one with spikes, the same loss factors for one whose norm hovers about the clip, the same
+    batches for one trained on a fresh batch each step."""
     return (REFERENCE + ("_clip" if "_clip" in system else "") + ("_spikes" if "_spikes" in system else "")
-            + ("_hover" if "_hover" in system else ""))
+            + ("_hover" if "_hover" in system else "") + ("_fresh" if "_fresh" in system else ""))
 
 
 def loss_gap(row: dict, ref: dict) -> float:

@@ -27,7 +27,7 @@ from deep_optimizer_states import DeepOptimizerStates
 from deep_optimizer_states.core import cpu_adamw
 from deep_optimizer_states.core.layout import HOST_BYTES_PER_ELEMENT
 from deep_optimizer_states.core.schedule import Placement, spread
-from deep_optimizer_states.tools.models import checkpoint_activations, llama, materialize
+from deep_optimizer_states.tools.models import PRESETS, checkpoint_activations, llama, materialize
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
 CLIP = 1.0  # max_grad_norm of the systems named *_clip (the Hugging Face Trainer's default)
@@ -39,6 +39,9 @@ SPIKE_EVERY = 4  # a spike in every 4th backward: after each, one step paused an
 # systems *_hover: each step's gradient norm aimed at a draw between these, log-uniform, about CLIP (a loss
 # factor of a power of 2 from the last step's norm: within a factor of about 1.4 of the aim, as the norm moves)
 HOVER_AIMS = (0.5, 2.0)
+# systems *_fresh: the seed of the device generator that draws each step's batch (the same for ours and its
+# reference, so both train on the same batches in the same order)
+FRESH_SEED = 0
 
 
 @dataclass
@@ -317,6 +320,25 @@ def hovering(build: Callable[[str, torch.device, int], Trainer]) -> Callable[[st
     return build_hovering
 
 
+def fresh_batches(build: Callable[[str, torch.device, int], Trainer]) -> Callable[[str, torch.device, int], Trainer]:
+    """``build``'s system trained on a new batch every step: uniform random tokens of the given batch's shape,
+    drawn on the device (no host copy, no sync in the loop) by a generator seeded with ``FRESH_SEED``, so ours
+    and its reference draw the same batches. A loss the model cannot memorise keeps the gradient norm near one
+    level; on the bench's one batch the loss vanishes within 13 steps and the norm falls and then jumps by
+    orders of magnitude (H100 call 181), so a norm aimed from the last step's (``hovering``) lags it."""
+    def build_fresh(preset: str, device: torch.device, batch: int) -> Trainer:
+        trainer, vocab = build(preset, device, batch), PRESETS[preset][2]
+        generator = torch.Generator(device=device).manual_seed(FRESH_SEED)
+        inner = trainer.forward
+
+        def forward(ids: torch.Tensor) -> torch.Tensor:
+            return inner(torch.randint(0, vocab, ids.shape, device=ids.device, generator=generator))
+
+        return replace(trainer, forward=forward,
+                       settings=f"{trainer.settings}; a fresh batch of random tokens each step")
+    return build_fresh
+
+
 def gpu_adamw_bf16_masters(preset: str, device: torch.device, batch: int,
                            max_grad_norm: float | None = None) -> Trainer:
     """Our numerics without offloading: bf16 params and grads, fp32 masters and AdamW states on the GPU.
@@ -520,11 +542,17 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     # clipped, the norm hovering about the clip (`hovering`: the loss scaled step by step), as fine-tuning at
     # max_grad_norm=1.0 often has it: the default pauses after each clip and undoes what ran ahead before the
     # norm landed passed it; the forecast runs ahead on every step, and a forecast of the clip is likeliest
-    # wrong where the norm keeps near it. Not run on a GPU yet. Loss check against
+    # wrong where the norm keeps near it. Loss check against
     # `gpu_adamw_bf16_masters_clip_hover`
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover": hovering(defaults(clip=True)),
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover_forecast": hovering(
         defaults(clip=True, stand_down="forecast", sit_out=False)),
+    # H100 call 181: on the bench's one batch the clip scaled only 3-5 of 24 timed steps (the loss vanishes and
+    # the norm runs away from its aim); with a fresh batch each step the norm keeps near its level. Loss check
+    # against `gpu_adamw_bf16_masters_clip_hover_fresh`
+    "ours_offload_overlap_clip_spec_prefetch_bf16_hover_fresh": hovering(fresh_batches(defaults(clip=True))),
+    "ours_offload_overlap_clip_spec_prefetch_bf16_hover_fresh_forecast": hovering(fresh_batches(
+        defaults(clip=True, stand_down="forecast", sit_out=False))),
     # the defaults with the model's activation checkpointing (transformers' non-reentrant one), for budgets below
     # what forward and backward need without it: at a 16 GB budget (DeepSpeed ZeRO-3 offload's peak at 1.36B is
     # 14.7 GB) the defaults ran out of memory at 1.36B (H200 call 150), the need they learnt at the whole device
@@ -614,6 +642,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "gpu_adamw_bf16_masters_clip_spikes": spiked(functools.partial(gpu_adamw_bf16_masters, max_grad_norm=CLIP),
                                                  SPIKE_EVERY),
     "gpu_adamw_bf16_masters_clip_hover": hovering(functools.partial(gpu_adamw_bf16_masters, max_grad_norm=CLIP)),
+    "gpu_adamw_bf16_masters_clip_hover_fresh": hovering(fresh_batches(
+        functools.partial(gpu_adamw_bf16_masters, max_grad_norm=CLIP))),
 }
 OURS = "ours_auto"
 REFERENCE = "gpu_adamw_bf16_masters"  # the loss check's reference: the same numerics as ours

@@ -356,6 +356,41 @@ def test_a_hovering_runs_norm_keeps_about_the_clip_and_its_reference_scales_alik
                                 _row(ours["system"], losses=ours["losses"])]) == []
 
 
+def test_fresh_batches_are_new_each_step_and_the_same_for_ours_and_its_reference():
+    """``_fresh``: each forward gets a new batch of the given one's shape, in the vocabulary, drawn from a seeded
+    generator, so two systems draw the same batches in the same order; the loss check pairs ours with the
+    reference trained on them."""
+    seen = {}
+
+    def built(name):
+        def build(preset, device, batch):
+            return systems.Trainer(None, lambda ids: seen.setdefault(name, []).append(ids), lambda loss: None,
+                                   lambda: None, 0)
+        return systems.fresh_batches(build)("tiny", torch.device("cpu"), 2)
+
+    ours, ref, ids = built("ours"), built("ref"), torch.zeros(2, 32, dtype=torch.long)
+    for _ in range(3):
+        ours.forward(ids)
+        ref.forward(ids)
+    vocab = systems.PRESETS["tiny"][2]
+    assert all(torch.equal(a, b) for a, b in zip(seen["ours"], seen["ref"]))
+    assert not torch.equal(seen["ours"][0], seen["ours"][1]) and not torch.equal(seen["ours"][1], seen["ours"][2])
+    assert all(b.shape == ids.shape and 0 <= int(b.min()) and int(b.max()) < vocab for b in seen["ours"])
+    drawn = torch.cat(seen["ours"])
+    assert len(torch.unique(drawn)) > 0.8 * drawn.numel()  # uniform over 1000 ids: 192 draws, ~175 distinct
+    name = "ours_offload_overlap_clip_spec_prefetch_bf16_hover_fresh"
+    assert report.reference_of(name) == report.reference_of(name + "_forecast") == REFERENCE + "_clip_hover_fresh"
+    row = run_system.run(name, "tiny", None, iters=3, warmup=1, micro_batch=2, seq=32, device=torch.device("cpu"))
+    refrow = run_system.run(REFERENCE + "_clip_hover_fresh", "tiny", None, iters=3, warmup=1, micro_batch=2, seq=32,
+                            device=torch.device("cpu"))
+    assert row["status"] == refrow["status"] == "ok", row.get("traceback") or refrow.get("traceback")
+    assert row["hover_factors"] == refrow["hover_factors"]
+    assert max(abs(a - b) / b for a, b in zip(row["losses"], refrow["losses"])) < 1e-5
+    plain = run_system.run(REFERENCE + "_clip_hover", "tiny", None, iters=3, warmup=1, micro_batch=2, seq=32,
+                           device=torch.device("cpu"))  # the one batch: other losses from the second step
+    assert plain["losses"][0] != refrow["losses"][0] or plain["losses"][1] != refrow["losses"][1]
+
+
 def test_a_peer_that_is_not_installed_is_reported_not_hidden():
     try:
         import deepspeed  # noqa: F401
