@@ -548,8 +548,8 @@ SYSTEMS: dict[str, Callable[[str, torch.device, int], Trainer]] = {
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover_forecast": hovering(
         defaults(clip=True, stand_down="forecast", sit_out=False)),
     # H100 call 181: on the bench's one batch the clip scaled only 3-5 of 24 timed steps (the loss vanishes and
-    # the norm runs away from its aim); with a fresh batch each step the norm keeps near its level. Loss check
-    # against `gpu_adamw_bf16_masters_clip_hover_fresh`
+    # the norm runs away from its aim); with a fresh batch each step the norm keeps near its level (not run on a
+    # GPU yet). Loss check against `gpu_adamw_bf16_masters_clip_hover_fresh`
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover_fresh": hovering(fresh_batches(defaults(clip=True))),
     "ours_offload_overlap_clip_spec_prefetch_bf16_hover_fresh_forecast": hovering(fresh_batches(
         defaults(clip=True, stand_down="forecast", sit_out=False))),
