@@ -387,8 +387,8 @@ def test_fresh_batches_are_new_each_step_and_the_same_for_ours_and_its_reference
     assert row["hover_factors"] == refrow["hover_factors"]
     assert max(abs(a - b) / b for a, b in zip(row["losses"], refrow["losses"])) < 1e-5
     plain = run_system.run(REFERENCE + "_clip_hover", "tiny", None, iters=3, warmup=1, micro_batch=2, seq=32,
-                           device=torch.device("cpu"))  # the one batch: other losses from the second step
-    assert plain["losses"][0] != refrow["losses"][0] or plain["losses"][1] != refrow["losses"][1]
+                           device=torch.device("cpu"))  # the bench's one batch: another loss from the first step
+    assert plain["losses"][0] != refrow["losses"][0]
 
 
 def test_a_peer_that_is_not_installed_is_reported_not_hidden():
