@@ -267,8 +267,9 @@ def clip_split(row: dict, max_norm: float = CLIP) -> dict | None:
     onset runs beside the next forward, and the step after a clip runs none ahead by default); ``steady``:
     walls of steps under the clip whose two steps before were under it too (the update of the step before ran
     ahead, and so did this one's: ``speculate`` is off for the step after one that clipped); the rest,
-    between, counted in neither (``_timed_steps``: which steps the walls are). A memorised batch's norm falls under 1.0 after about 8 steps:
-    a loop timed from the third step times 5 that clip (rows run without phases, from 2026-12-04)."""
+    between, counted in neither (``_timed_steps``: which steps the walls are). A memorised batch's norm falls
+    under 1.0 after about 8 steps: a loop timed from the third step times 5 that clip (rows run without phases,
+    from 2026-12-04)."""
     steps = _timed_steps(row, max_norm)
     if "clipped_steps" not in row or steps is None:
         return None
